@@ -1,0 +1,485 @@
+/* rolloutctl: the operator's tool for a rolloutd queue. Enqueue units from JSON lines,
+ * show the queue's state, reap expired leases, inspect and retry dead letters, read the
+ * samples stream. Exit codes: 0 ok, 1 failure, 2 usage. */
+#include "config.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <json-c/json.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "queue/queue.h"
+
+enum { EXIT_USAGE = 2 };
+
+struct ctl {
+	const char *redis, *queue, *prefix;
+	bool json, follow;
+	long count;
+	const char *from;
+	struct ro_unit_bounds bounds;
+};
+
+static volatile sig_atomic_t stop_requested;
+
+static void on_signal(int sig)
+{
+	(void)sig;
+	stop_requested = 1;
+}
+
+static void usage(FILE *f)
+{
+	(void)fputs(
+		"usage: rolloutctl [--redis URL] [--queue NAME] [--json] COMMAND ...\n"
+		"\n"
+		"commands:\n"
+		"  enqueue FILE|-          add units from JSON lines; every bad line is reported by\n"
+		"                          number and nothing is written unless all lines are good\n"
+		"  status                  pending, leased, done, dead, samples, trainer lag, workers\n"
+		"  reap                    expired leases back to pending (or dead past the limit)\n"
+		"  dead list               dead-lettered units with their reason and history\n"
+		"  dead retry ID           a dead unit back to pending with a fresh attempt count\n"
+		"  dead purge              delete every dead unit\n"
+		"  samples [--follow] [--count N] [--from ID]\n"
+		"                          the samples stream as JSON lines\n"
+		"\n"
+		"options (anywhere on the line):\n"
+		"  --redis URL             redis://host:port/db or unix:///path (env ROLLOUTD_REDIS;\n"
+		"                          default redis://127.0.0.1:6379/0)\n"
+		"  --queue NAME            queue name (env ROLLOUTD_QUEUE; default \"default\")\n"
+		"  --prefix P              key prefix (env ROLLOUTD_PREFIX; default \"ro\")\n"
+		"  --json                  machine-readable output\n"
+		"  --max-prompt N --max-n N --max-new-tokens N --max-body BYTES\n"
+		"                          bounds a unit must respect to be enqueued\n",
+		f);
+}
+
+static int open_queue(const struct ctl *c, struct ro_queue **ret)
+{
+	struct ro_queue_opts o = {
+		.url = c->redis,
+		.queue = c->queue,
+		.prefix = c->prefix,
+		.worker = "rolloutctl",
+		.retry_ms = 3000,
+		.bounds = c->bounds,
+	};
+
+	int r = ro_queue_new(&o, ret);
+
+	if (r)
+		(void)fprintf(stderr, "rolloutctl: %s\n", ro_queue_errmsg(NULL));
+	return r;
+}
+
+static int failed(struct ro_queue *q, int r, const char *what)
+{
+	(void)fprintf(stderr, "rolloutctl: %s: %s\n", what,
+		      q && ro_queue_errmsg(q)[0] ? ro_queue_errmsg(q) : strerror(-r));
+	return EXIT_FAILURE;
+}
+
+static int cmd_enqueue(const struct ctl *c, int argc, char **argv)
+{
+	struct ro_unit *units = NULL;
+	size_t n = 0, cap = 0, lineno = 0, bad = 0;
+	size_t *lines = NULL;
+	char *line = NULL;
+	size_t linecap = 0;
+	ssize_t len;
+	FILE *f;
+	const char *name;
+	struct ro_queue *q = NULL;
+	int *status = NULL;
+	int r, rc = EXIT_FAILURE;
+	size_t queued = 0, dup = 0, conflict = 0;
+
+	if (argc != 1) {
+		usage(stderr);
+		return EXIT_USAGE;
+	}
+	name = argv[0];
+	f = strcmp(name, "-") ? fopen(name, "r") : stdin;
+	if (!f) {
+		(void)fprintf(stderr, "rolloutctl: %s: %s\n", name, strerror(errno));
+		return EXIT_FAILURE;
+	}
+	while ((len = getline(&line, &linecap, f)) >= 0) {
+		char why[256];
+		struct ro_unit u;
+
+		lineno++;
+		while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r'))
+			line[--len] = '\0';
+		if (len == 0)
+			continue;
+		r = ro_unit_parse(line, (size_t)len, &c->bounds, &u, why, sizeof(why));
+		if (r) {
+			(void)fprintf(stderr, "%s:%zu: %s\n", name, lineno,
+				      r == -EINVAL ? why : strerror(-r));
+			bad++;
+			continue;
+		}
+		if (n == cap) {
+			size_t nc = cap ? cap * 2 : 64;
+			struct ro_unit *nu = realloc(units, nc * sizeof(*nu));
+			size_t *nl = nu ? realloc(lines, nc * sizeof(*nl)) : NULL;
+
+			if (nu)
+				units = nu;
+			if (!nl) {
+				ro_unit_clear(&u);
+				(void)fprintf(stderr, "rolloutctl: out of memory\n");
+				goto out;
+			}
+			lines = nl;
+			cap = nc;
+		}
+		lines[n] = lineno;
+		units[n++] = u;
+	}
+	if (ferror(f)) {
+		(void)fprintf(stderr, "rolloutctl: %s: read error\n", name);
+		goto out;
+	}
+	if (bad) {
+		(void)fprintf(stderr, "rolloutctl: %zu bad line%s in %s: nothing enqueued\n", bad,
+			      bad == 1 ? "" : "s", name);
+		goto out;
+	}
+	r = open_queue(c, &q);
+	if (r)
+		goto out;
+	status = calloc(n + 1, sizeof(*status));
+	if (!status)
+		goto out;
+	r = ro_queue_enqueue(q, units, n, status);
+	if (r) {
+		rc = failed(q, r, "enqueue");
+		goto out;
+	}
+	for (size_t i = 0; i < n; i++) {
+		if (status[i] == 1) {
+			queued++;
+		} else if (status[i] == 0) {
+			dup++;
+		} else {
+			conflict++;
+			(void)fprintf(stderr, "%s:%zu: id %s exists with a different body\n", name,
+				      lines[i], units[i].id);
+		}
+	}
+	if (c->json)
+		(void)printf("{\"queued\":%zu,\"already_queued\":%zu,\"conflicts\":%zu}\n", queued, dup,
+			     conflict);
+	else
+		(void)printf("queued %zu, already queued %zu, conflicts %zu\n", queued, dup,
+			     conflict);
+	rc = conflict ? EXIT_FAILURE : EXIT_SUCCESS;
+out:
+	for (size_t i = 0; i < n; i++)
+		ro_unit_clear(&units[i]);
+	free(units);
+	free(lines);
+	free(line);
+	free(status);
+	if (f != stdin)
+		(void)fclose(f);
+	(void)ro_queue_free(q);
+	return rc;
+}
+
+static int cmd_status(const struct ctl *c)
+{
+	struct ro_queue *q = NULL;
+	struct ro_queue_stats s;
+	int r = open_queue(c, &q);
+
+	if (r)
+		return EXIT_FAILURE;
+	r = ro_queue_stats(q, &s);
+	if (r) {
+		r = failed(q, r, "status");
+		(void)ro_queue_free(q);
+		return r;
+	}
+	if (c->json) {
+		struct json_object *o = json_object_new_object(), *w = json_object_new_array();
+
+		json_object_object_add(o, "queue", json_object_new_string(c->queue));
+		json_object_object_add(o, "pending", json_object_new_int64(s.pending));
+		json_object_object_add(o, "leased", json_object_new_int64(s.leased));
+		json_object_object_add(o, "done", json_object_new_int64(s.done));
+		json_object_object_add(o, "dead", json_object_new_int64(s.dead));
+		json_object_object_add(o, "samples", json_object_new_int64(s.samples));
+		json_object_object_add(o, "groups", json_object_new_int64(s.groups));
+		json_object_object_add(o, "trainer_groups", json_object_new_int64(s.n_groups));
+		json_object_object_add(o, "trainer_lag", json_object_new_int64(s.lag));
+		for (uint32_t i = 0; i < s.n_workers; i++) {
+			struct json_object *e = json_tokener_parse(s.workers[i].fields);
+
+			if (!e)
+				e = json_object_new_object();
+			json_object_object_add(e, "id", json_object_new_string(s.workers[i].id));
+			json_object_object_add(e, "age_ms", json_object_new_int64(s.workers[i].age_ms));
+			json_object_array_add(w, e);
+		}
+		json_object_object_add(o, "workers", w);
+		(void)printf("%s\n", json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN));
+		json_object_put(o);
+	} else {
+		(void)printf("queue    %s\n", c->queue);
+		(void)printf("pending  %lld\nleased   %lld\ndone     %lld\ndead     %lld\n",
+			     (long long)s.pending, (long long)s.leased, (long long)s.done,
+			     (long long)s.dead);
+		(void)printf("samples  %lld (trainer lag %lld, %u consumer group%s)\n",
+			     (long long)s.samples, (long long)s.lag, s.n_groups,
+			     s.n_groups == 1 ? "" : "s");
+		(void)printf("groups   %lld\nworkers  %u\n", (long long)s.groups, s.n_workers);
+		for (uint32_t i = 0; i < s.n_workers; i++)
+			(void)printf("  %-32s seen %.1fs ago  %s\n", s.workers[i].id,
+				     (double)s.workers[i].age_ms / 1000.0, s.workers[i].fields);
+	}
+	ro_queue_stats_clear(&s);
+	(void)ro_queue_free(q);
+	return EXIT_SUCCESS;
+}
+
+static int cmd_reap(const struct ctl *c)
+{
+	struct ro_queue *q = NULL;
+	uint32_t req = 0, dead = 0;
+	int r = open_queue(c, &q), rc = EXIT_SUCCESS;
+
+	if (r)
+		return EXIT_FAILURE;
+	r = ro_queue_reap(q, &req, &dead);
+	if (r)
+		rc = failed(q, r, "reap");
+	else if (c->json)
+		(void)printf("{\"requeued\":%u,\"dead\":%u}\n", req, dead);
+	else
+		(void)printf("requeued %u, dead %u\n", req, dead);
+	(void)ro_queue_free(q);
+	return rc;
+}
+
+static int cmd_dead(const struct ctl *c, int argc, char **argv)
+{
+	struct ro_queue *q = NULL;
+	int r, rc = EXIT_SUCCESS;
+
+	if (argc < 1 || (!strcmp(argv[0], "retry") ? argc != 2 : argc != 1) ||
+	    (strcmp(argv[0], "list") && strcmp(argv[0], "retry") && strcmp(argv[0], "purge"))) {
+		usage(stderr);
+		return EXIT_USAGE;
+	}
+	r = open_queue(c, &q);
+	if (r)
+		return EXIT_FAILURE;
+	if (!strcmp(argv[0], "list")) {
+		for (uint32_t start = 0;; start += 256) {
+			struct ro_dead *d = NULL;
+			size_t n = 0;
+
+			r = ro_queue_dead_list(q, start, 256, &d, &n);
+			if (r < 0) {
+				rc = failed(q, r, "dead list");
+				break;
+			}
+			for (size_t i = 0; i < n; i++) {
+				if (c->json) {
+					struct json_object *o = json_object_new_object(),
+							   *h = json_tokener_parse(d[i].history);
+
+					json_object_object_add(o, "id", json_object_new_string(d[i].id));
+					json_object_object_add(o, "attempt",
+							       json_object_new_int(d[i].attempt));
+					json_object_object_add(o, "reason",
+							       json_object_new_string(d[i].reason));
+					json_object_object_add(o, "history",
+							       h ? h : json_object_new_array());
+					(void)printf("%s\n", json_object_to_json_string_ext(
+								     o, JSON_C_TO_STRING_PLAIN));
+					json_object_put(o);
+				} else {
+					(void)printf("%-40s attempt %u  %s\n", d[i].id, d[i].attempt,
+						     d[i].reason);
+				}
+			}
+			ro_dead_free(d, n);
+			if (n < 256)
+				break;
+		}
+	} else if (!strcmp(argv[0], "retry")) {
+		r = ro_queue_dead_retry(q, argv[1]);
+		if (r)
+			rc = failed(q, r, "dead retry");
+		else
+			(void)printf("%s back to pending\n", argv[1]);
+	} else {
+		r = ro_queue_dead_purge(q);
+		if (r < 0)
+			rc = failed(q, r, "dead purge");
+		else
+			(void)printf("purged %d\n", r);
+	}
+	(void)ro_queue_free(q);
+	return rc;
+}
+
+static void print_line(void *arg, const char *json)
+{
+	(void)arg;
+	(void)printf("%s\n", json);
+}
+
+static int cmd_samples(const struct ctl *c)
+{
+	struct ro_queue *q = NULL;
+	char cursor[48];
+	long left = c->count > 0 ? c->count : (c->follow ? -1 : 100);
+	int r = open_queue(c, &q), rc = EXIT_SUCCESS;
+
+	if (r)
+		return EXIT_FAILURE;
+	(void)snprintf(cursor, sizeof(cursor), "%s", c->from ? c->from : "0");
+	while (!stop_requested && left != 0) {
+		uint32_t want = left < 0 || left > 500 ? 500 : (uint32_t)left;
+
+		r = ro_queue_read_samples(q, cursor, want, c->follow ? 1000 : 0, print_line, NULL);
+		if (r < 0) {
+			rc = failed(q, r, "samples");
+			break;
+		}
+		(void)fflush(stdout);
+		if (left > 0)
+			left -= r;
+		if (!c->follow && (uint32_t)r < want)
+			break;
+	}
+	(void)ro_queue_free(q);
+	return rc;
+}
+
+static bool parse_u32(const char *s, uint32_t *ret)
+{
+	char *end;
+	unsigned long v;
+
+	errno = 0;
+	v = strtoul(s, &end, 10);
+	if (errno || *end || end == s || v > UINT32_MAX || s[0] == '-')
+		return false;
+	*ret = (uint32_t)v;
+	return true;
+}
+
+int main(int argc, char **argv)
+{
+	enum { O_REDIS = 256, O_QUEUE, O_PREFIX, O_JSON, O_FOLLOW, O_COUNT, O_FROM, O_MAXP,
+	       O_MAXN, O_MAXT, O_MAXB };
+	static const struct option opts[] = {
+		{"redis", required_argument, NULL, O_REDIS},
+		{"queue", required_argument, NULL, O_QUEUE},
+		{"prefix", required_argument, NULL, O_PREFIX},
+		{"json", no_argument, NULL, O_JSON},
+		{"follow", no_argument, NULL, O_FOLLOW},
+		{"count", required_argument, NULL, O_COUNT},
+		{"from", required_argument, NULL, O_FROM},
+		{"max-prompt", required_argument, NULL, O_MAXP},
+		{"max-n", required_argument, NULL, O_MAXN},
+		{"max-new-tokens", required_argument, NULL, O_MAXT},
+		{"max-body", required_argument, NULL, O_MAXB},
+		{"help", no_argument, NULL, 'h'},
+		{0},
+	};
+	struct ctl c = {
+		.redis = getenv("ROLLOUTD_REDIS"),
+		.queue = getenv("ROLLOUTD_QUEUE"),
+		.prefix = getenv("ROLLOUTD_PREFIX"),
+	};
+	struct sigaction sa = {.sa_handler = on_signal};
+	int ch;
+
+	ro_unit_bounds_default(&c.bounds);
+	if (!c.queue || !*c.queue)
+		c.queue = "default";
+	while ((ch = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
+		uint32_t v = 0;
+
+		switch (ch) {
+		case O_REDIS:
+			c.redis = optarg;
+			break;
+		case O_QUEUE:
+			c.queue = optarg;
+			break;
+		case O_PREFIX:
+			c.prefix = optarg;
+			break;
+		case O_JSON:
+			c.json = true;
+			break;
+		case O_FOLLOW:
+			c.follow = true;
+			break;
+		case O_FROM:
+			c.from = optarg;
+			break;
+		case O_COUNT:
+		case O_MAXP:
+		case O_MAXN:
+		case O_MAXT:
+		case O_MAXB:
+			if (!parse_u32(optarg, &v)) {
+				(void)fprintf(stderr, "rolloutctl: --%s wants a non-negative integer, got \"%s\"\n",
+					      opts[ch - O_REDIS].name, optarg);
+				return EXIT_USAGE;
+			}
+			if (ch == O_COUNT)
+				c.count = v;
+			else if (ch == O_MAXP)
+				c.bounds.max_prompt = v;
+			else if (ch == O_MAXN)
+				c.bounds.max_n = v;
+			else if (ch == O_MAXT)
+				c.bounds.max_new_tokens = v;
+			else
+				c.bounds.max_body = v;
+			break;
+		case 'h':
+			usage(stdout);
+			return EXIT_SUCCESS;
+		default:
+			usage(stderr);
+			return EXIT_USAGE;
+		}
+	}
+	argc -= optind;
+	argv += optind;
+	if (argc < 1) {
+		usage(stderr);
+		return EXIT_USAGE;
+	}
+	(void)sigaction(SIGINT, &sa, NULL);
+	(void)sigaction(SIGTERM, &sa, NULL);
+	(void)signal(SIGPIPE, SIG_IGN);
+	if (!strcmp(argv[0], "enqueue"))
+		return cmd_enqueue(&c, argc - 1, argv + 1);
+	if (!strcmp(argv[0], "status") && argc == 1)
+		return cmd_status(&c);
+	if (!strcmp(argv[0], "reap") && argc == 1)
+		return cmd_reap(&c);
+	if (!strcmp(argv[0], "dead"))
+		return cmd_dead(&c, argc - 1, argv + 1);
+	if (!strcmp(argv[0], "samples") && argc == 1)
+		return cmd_samples(&c);
+	(void)fprintf(stderr, "rolloutctl: unknown command \"%s\"\n", argv[0]);
+	usage(stderr);
+	return EXIT_USAGE;
+}

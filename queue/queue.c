@@ -1,0 +1,1277 @@
+/* The queue's client side: one hiredis connection, reconnected with jittered backoff, the
+ * function library loaded on demand, and one C call per server-side function of
+ * queue/scripts.lua. Every operation that could not be confirmed (the connection died
+ * between send and reply) is sent again: the functions are idempotent, so a retry never
+ * duplicates a write. */
+#include "queue/queue.h"
+#include "queue/internal.h"
+
+#include <errno.h>
+#include <hiredis/hiredis.h>
+#include <json-c/json.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+
+extern const char ro_queue_scripts_lua[];
+extern const char ro_queue_scripts_version[];
+
+struct ro_queue {
+	redisContext *c;
+	char *host, *path, *password;
+	int port, db;
+	char *prefix; /* "ro:{q}:" */
+	char *worker;
+	struct ro_queue_opts o;
+	uint64_t connects;
+	uint64_t rng;
+	char err[256];
+};
+
+/* ---- small helpers ---------------------------------------------------------------- */
+
+static int64_t mono_ms(void)
+{
+	struct timespec ts;
+
+	(void)clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(int64_t ms)
+{
+	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000};
+
+	while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+		;
+}
+
+static uint64_t rng_next(struct ro_queue *q)
+{
+	/* xorshift64*: jitter and request ids, nothing that needs to be secret */
+	q->rng ^= q->rng >> 12;
+	q->rng ^= q->rng << 25;
+	q->rng ^= q->rng >> 27;
+	return q->rng * 2685821657736338717ull;
+}
+
+static int fail(struct ro_queue *q, int r, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	(void)vsnprintf(q->err, sizeof(q->err), fmt, ap);
+	va_end(ap);
+	return r;
+}
+
+/* why the last ro_queue_new() of this thread failed, for ro_queue_errmsg(NULL) */
+static __thread char new_err[256];
+
+const char *ro_queue_errmsg(const struct ro_queue *q)
+{
+	return q ? q->err : new_err;
+}
+
+uint64_t ro_queue_connects(const struct ro_queue *q)
+{
+	return q->connects;
+}
+
+const char *ro_queue_key(struct ro_queue *q, const char *suffix, char *buf, size_t len)
+{
+	(void)snprintf(buf, len, "%s%s", q->prefix, suffix);
+	return buf;
+}
+
+/* Argument vectors for redisCommandArgv: borrowed strings, or owned formatted ones. */
+struct args {
+	size_t n, cap;
+	const char **v;
+	size_t *len;
+	char **own;
+	size_t nown;
+	bool oom;
+};
+
+static void args_add(struct args *a, const char *s, size_t len)
+{
+	if (a->n == a->cap) {
+		size_t cap = a->cap ? a->cap * 2 : 16;
+		const char **v = realloc(a->v, cap * sizeof(*v));
+		size_t *l = v ? realloc(a->len, cap * sizeof(*l)) : NULL;
+		char **own = l ? realloc(a->own, cap * sizeof(*own)) : NULL;
+
+		if (v)
+			a->v = v;
+		if (l)
+			a->len = l;
+		if (own)
+			a->own = own;
+		if (!own) {
+			a->oom = true;
+			return;
+		}
+		a->cap = cap;
+	}
+	a->v[a->n] = s;
+	a->len[a->n] = len;
+	a->n++;
+}
+
+static void args_str(struct args *a, const char *s)
+{
+	args_add(a, s, strlen(s));
+}
+
+static void args_take(struct args *a, char *s)
+{
+	if (!s) {
+		a->oom = true;
+		return;
+	}
+	args_str(a, s);
+	if (a->oom) {
+		free(s);
+		return;
+	}
+	a->own[a->nown++] = s;
+}
+
+__attribute__((format(printf, 2, 3))) static void args_fmt(struct args *a, const char *fmt, ...)
+{
+	va_list ap;
+	char *s = NULL;
+
+	va_start(ap, fmt);
+	if (vasprintf(&s, fmt, ap) < 0)
+		s = NULL;
+	va_end(ap);
+	args_take(a, s);
+}
+
+static void args_clear(struct args *a)
+{
+	for (size_t i = 0; i < a->nown; i++)
+		free(a->own[i]);
+	free(a->own);
+	free(a->v);
+	free(a->len);
+	memset(a, 0, sizeof(*a));
+}
+
+static void fcall_start(struct ro_queue *q, struct args *a, const char *fn)
+{
+	args_str(a, "FCALL");
+	args_str(a, fn);
+	args_str(a, "1");
+	args_str(a, q->prefix);
+}
+
+/* ---- connection ------------------------------------------------------------------- */
+
+static char *strndup_or_null(const char *s, size_t n)
+{
+	return n ? strndup(s, n) : NULL;
+}
+
+/* redis://[[user]:password@]host[:port][/db] or unix:///path[?db=N] */
+static int parse_url(struct ro_queue *q, const char *url)
+{
+	const char *p;
+
+	q->port = 6379;
+	q->db = 0;
+	if (!strncmp(url, "unix://", 7)) {
+		const char *qm = strchr(url + 7, '?');
+		size_t n = qm ? (size_t)(qm - url - 7) : strlen(url + 7);
+
+		q->path = strndup_or_null(url + 7, n);
+		if (!q->path)
+			return fail(q, -EINVAL, "bad redis url %s: no socket path", url);
+		if (qm && !strncmp(qm, "?db=", 4))
+			q->db = atoi(qm + 4);
+		return 0;
+	}
+	if (strncmp(url, "redis://", 8))
+		return fail(q, -EINVAL, "bad redis url %s: want redis://host:port/db or unix:///path",
+			    url);
+	p = url + 8;
+	{
+		const char *at = strchr(p, '@');
+
+		if (at) {
+			const char *colon = memchr(p, ':', (size_t)(at - p));
+
+			if (colon)
+				q->password = strndup_or_null(colon + 1, (size_t)(at - colon - 1));
+			p = at + 1;
+		}
+	}
+	{
+		size_t hl = strcspn(p, ":/");
+		const char *rest = p + hl;
+		char *end;
+
+		q->host = hl ? strndup(p, hl) : strdup("127.0.0.1");
+		if (!q->host)
+			return -ENOMEM;
+		if (*rest == ':') {
+			long port = strtol(rest + 1, &end, 10);
+
+			if (end == rest + 1 || port <= 0 || port > 65535)
+				return fail(q, -EINVAL, "bad redis url %s: bad port", url);
+			q->port = (int)port;
+			rest = end;
+		}
+		if (*rest == '/' && rest[1]) {
+			long db = strtol(rest + 1, &end, 10);
+
+			if (*end || db < 0)
+				return fail(q, -EINVAL, "bad redis url %s: bad db", url);
+			q->db = (int)db;
+		} else if (*rest && strcmp(rest, "/")) {
+			return fail(q, -EINVAL, "bad redis url %s", url);
+		}
+	}
+	return 0;
+}
+
+static void drop(struct ro_queue *q)
+{
+	if (q->c) {
+		redisFree(q->c);
+		q->c = NULL;
+	}
+}
+
+/* hiredis context error -> -errno, then the context is dropped: hiredis says a context
+ * with err set cannot be reused. */
+static int ctx_error(struct ro_queue *q, const char *what)
+{
+	int r = -EIO;
+
+	if (q->c) {
+		if (q->c->err == REDIS_ERR_OOM)
+			r = -ENOMEM;
+		else if (q->c->err == REDIS_ERR_PROTOCOL)
+			r = -EPROTO;
+		else if (q->c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == ETIMEDOUT))
+			r = -ETIMEDOUT;
+		(void)fail(q, r, "redis %s: %s", what, q->c->errstr);
+	}
+	drop(q);
+	return r;
+}
+
+static int simple(struct ro_queue *q, redisReply **ret, const char *fmt, ...)
+{
+	va_list ap;
+	redisReply *rep;
+
+	va_start(ap, fmt);
+	rep = redisvCommand(q->c, fmt, ap);
+	va_end(ap);
+	if (!rep)
+		return ctx_error(q, "command");
+	if (rep->type == REDIS_REPLY_ERROR) {
+		int r = fail(q, -EPROTO, "redis: %s", rep->str);
+
+		freeReplyObject(rep);
+		return r;
+	}
+	if (ret)
+		*ret = rep;
+	else
+		freeReplyObject(rep);
+	return 0;
+}
+
+static int load_functions(struct ro_queue *q)
+{
+	return simple(q, NULL, "FUNCTION LOAD REPLACE %s", ro_queue_scripts_lua);
+}
+
+static int connect_once(struct ro_queue *q)
+{
+	struct timeval tv = {.tv_sec = q->o.timeout_ms / 1000,
+			     .tv_usec = (q->o.timeout_ms % 1000) * 1000};
+	redisReply *rep = NULL;
+	int r;
+
+	drop(q);
+	q->c = q->path ? redisConnectUnixWithTimeout(q->path, tv)
+		       : redisConnectWithTimeout(q->host, q->port, tv);
+	if (!q->c)
+		return fail(q, -ENOMEM, "redis: out of memory");
+	if (q->c->err)
+		return ctx_error(q, "connect");
+	if (redisSetTimeout(q->c, tv) != REDIS_OK)
+		return ctx_error(q, "set timeout");
+	if (q->password) {
+		r = simple(q, NULL, "AUTH %s", q->password);
+		if (r)
+			goto out_drop;
+	}
+	if (q->db) {
+		r = simple(q, NULL, "SELECT %d", q->db);
+		if (r)
+			goto out_drop;
+	}
+	/* load the library only when the server lacks this exact version */
+	r = simple(q, &rep, "FCALL ro_version 0");
+	if (r == -EPROTO || (!r && (rep->type != REDIS_REPLY_STRING ||
+				    strcmp(rep->str, ro_queue_scripts_version)))) {
+		r = load_functions(q);
+	}
+	if (rep)
+		freeReplyObject(rep);
+	if (r)
+		goto out_drop;
+	q->connects++;
+	return 0;
+out_drop:
+	if (r == -EPROTO && strstr(q->err, "LOADING"))
+		r = -EAGAIN; /* restarted server still loading its AOF: retry */
+	drop(q);
+	return r;
+}
+
+int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
+{
+	struct ro_queue *q;
+	const char *pfx = o->prefix && *o->prefix ? o->prefix : "ro";
+	const char *name = o->queue && *o->queue ? o->queue : "default";
+	int r;
+
+	q = calloc(1, sizeof(*q));
+	if (!q)
+		return -ENOMEM;
+	q->o = *o;
+	if (!q->o.timeout_ms)
+		q->o.timeout_ms = 5000;
+	if (!q->o.retry_ms)
+		q->o.retry_ms = 10000;
+	if (!q->o.max_attempts)
+		q->o.max_attempts = 3;
+	if (!q->o.worker_ttl_ms)
+		q->o.worker_ttl_ms = 30000;
+	if (!q->o.bounds.max_body)
+		ro_unit_bounds_default(&q->o.bounds);
+	q->rng = (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ (uint64_t)mono_ms() ^ (uintptr_t)q;
+	if (!q->rng)
+		q->rng = 1;
+	if (!ro_unit_id_valid(name)) {
+		r = -EINVAL;
+		(void)fail(q, r, "queue name \"%s\" must be 1-128 characters of [A-Za-z0-9._:-]",
+			   name);
+		goto out_free;
+	}
+	if (asprintf(&q->prefix, "%s:{%s}:", pfx, name) < 0) {
+		q->prefix = NULL;
+		r = -ENOMEM;
+		goto out_free;
+	}
+	q->worker = strdup(o->worker && *o->worker ? o->worker : "anonymous");
+	if (!q->worker) {
+		r = -ENOMEM;
+		goto out_free;
+	}
+	r = parse_url(q, o->url && *o->url ? o->url : "redis://127.0.0.1:6379/0");
+	if (r)
+		goto out_free;
+	q->o.url = NULL; /* borrowed strings are not kept */
+	q->o.queue = q->o.prefix = q->o.worker = NULL;
+	*ret = q;
+	return 0;
+out_free:
+	(void)snprintf(new_err, sizeof(new_err), "%s", q->err[0] ? q->err : strerror(-r));
+	(void)ro_queue_free(q);
+	return r;
+}
+
+struct ro_queue *ro_queue_free(struct ro_queue *q)
+{
+	if (!q)
+		return NULL;
+	drop(q);
+	free(q->host);
+	free(q->path);
+	free(q->password);
+	free(q->prefix);
+	free(q->worker);
+	free(q);
+	return NULL;
+}
+
+static bool retryable_error(const char *s)
+{
+	return !strncmp(s, "LOADING", 7) || !strncmp(s, "BUSY", 4) || !strncmp(s, "READONLY", 8) ||
+	       !strncmp(s, "MASTERDOWN", 10) || !strncmp(s, "TRYAGAIN", 8);
+}
+
+static int map_error(struct ro_queue *q, const char *s)
+{
+	int r = -EPROTO;
+
+	if (!strncmp(s, "STALE", 5))
+		r = -ESTALE;
+	else if (!strncmp(s, "INCOMPLETE", 10))
+		r = -EBUSY;
+	else if (!strncmp(s, "NOTFOUND", 8))
+		r = -ENOENT;
+	else if (!strncmp(s, "BADARG", 6))
+		r = -EINVAL;
+	return fail(q, r, "%s", s);
+}
+
+/* Send one command and read its reply, reconnecting with jittered exponential backoff
+ * for up to retry_ms. A reply lost to a dead connection means the command may or may
+ * not have run; it is sent again, which the idempotent functions make safe. */
+static int call(struct ro_queue *q, struct args *a, redisReply **ret)
+{
+	int64_t start = mono_ms();
+	int64_t backoff = 25;
+	bool loaded = false;
+	int r = 0;
+
+	if (a->oom)
+		return fail(q, -ENOMEM, "out of memory");
+	for (;;) {
+		redisReply *rep = NULL;
+		int done = 0;
+
+		if (!q->c)
+			r = connect_once(q);
+		if (!r && q->c) {
+			if (redisAppendCommandArgv(q->c, (int)a->n, a->v, a->len) != REDIS_OK) {
+				r = ctx_error(q, "send");
+			} else {
+				while (!done && r == 0) {
+					if (redisBufferWrite(q->c, &done) != REDIS_OK)
+						r = ctx_error(q, "send");
+				}
+				if (!r && q->o.after_send)
+					q->o.after_send(q->o.after_send_arg, a->v[1]);
+				if (!r && redisGetReply(q->c, (void **)&rep) != REDIS_OK)
+					r = ctx_error(q, "reply");
+			}
+		}
+		if (!r && rep) {
+			if (rep->type != REDIS_REPLY_ERROR) {
+				*ret = rep;
+				return 0;
+			}
+			if (!loaded && strstr(rep->str, "Function not found")) {
+				/* a server that lost its library (flushed, or a new replica) */
+				freeReplyObject(rep);
+				loaded = true;
+				r = load_functions(q);
+				if (!r)
+					continue;
+			} else if (retryable_error(rep->str)) {
+				r = fail(q, -EAGAIN, "redis: %s", rep->str);
+				freeReplyObject(rep);
+			} else {
+				r = map_error(q, rep->str);
+				freeReplyObject(rep);
+				return r;
+			}
+		}
+		if (r != -EIO && r != -ETIMEDOUT && r != -EAGAIN && r != -ECONNREFUSED)
+			return r;
+		if (mono_ms() - start + backoff > (int64_t)q->o.retry_ms)
+			return r == -EAGAIN ? -EIO : r;
+		/* full jitter in [backoff/2, backoff*3/2) keeps a fleet from reconnecting in step */
+		sleep_ms(backoff / 2 + (int64_t)(rng_next(q) % (uint64_t)backoff));
+		if (backoff < 1000)
+			backoff *= 2;
+		r = 0;
+	}
+}
+
+/* ---- replies ---------------------------------------------------------------------- */
+
+static bool is_str(const redisReply *r)
+{
+	return r && (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS);
+}
+
+static int bad_reply(struct ro_queue *q, redisReply *rep, const char *what)
+{
+	if (rep)
+		freeReplyObject(rep);
+	return fail(q, -EPROTO, "unexpected reply to %s", what);
+}
+
+static void claim_clear(struct ro_claim *c)
+{
+	free(c->id);
+	free(c->body);
+	free(c->published_idx);
+	for (uint32_t i = 0; i < c->n_published; i++)
+		free(c->published_ids[i]);
+	free(c->published_ids);
+	for (uint32_t i = 0; i < c->n_progress; i++)
+		ro_progress_clear(&c->progress[i]);
+	free(c->progress);
+}
+
+void ro_claims_free(struct ro_claim *c, size_t count)
+{
+	if (!c)
+		return;
+	for (size_t i = 0; i < count; i++)
+		claim_clear(&c[i]);
+	free(c);
+}
+
+static int parse_claim(const redisReply *u, struct ro_claim *c)
+{
+	const redisReply *pub, *prog;
+
+	if (u->type != REDIS_REPLY_ARRAY || u->elements != 7 || !is_str(u->element[0]) ||
+	    !is_str(u->element[1]) || u->element[2]->type != REDIS_REPLY_INTEGER ||
+	    !is_str(u->element[3]) || u->element[4]->type != REDIS_REPLY_INTEGER)
+		return -EPROTO;
+	pub = u->element[5];
+	prog = u->element[6];
+	if (pub->type != REDIS_REPLY_ARRAY || prog->type != REDIS_REPLY_ARRAY)
+		return -EPROTO;
+	c->id = strdup(u->element[0]->str);
+	c->body = strdup(u->element[1]->str);
+	c->attempt = (uint32_t)u->element[2]->integer;
+	(void)snprintf(c->token, sizeof(c->token), "%s", u->element[3]->str);
+	c->n = (uint32_t)u->element[4]->integer;
+	c->published_idx = calloc(pub->elements / 2 + 1, sizeof(*c->published_idx));
+	c->published_ids = calloc(pub->elements / 2 + 1, sizeof(*c->published_ids));
+	c->progress = calloc(prog->elements / 2 + 1, sizeof(*c->progress));
+	if (!c->id || !c->body || !c->published_idx || !c->published_ids || !c->progress)
+		return -ENOMEM;
+	for (size_t i = 0; i + 1 < pub->elements; i += 2) {
+		char *s = strdup(pub->element[i + 1]->str ? pub->element[i + 1]->str : "");
+
+		if (!s)
+			return -ENOMEM;
+		c->published_idx[c->n_published] = (uint32_t)strtoul(pub->element[i]->str, NULL, 10);
+		c->published_ids[c->n_published++] = s;
+	}
+	for (size_t i = 0; i + 1 < prog->elements; i += 2) {
+		uint32_t idx = (uint32_t)strtoul(prog->element[i]->str, NULL, 10);
+
+		/* an unreadable checkpoint only costs a restart of that sample */
+		if (ro_progress_decode(prog->element[i + 1]->str, idx, &c->progress[c->n_progress]) ==
+		    0)
+			c->n_progress++;
+	}
+	return 0;
+}
+
+static int parse_claims(struct ro_queue *q, redisReply *rep, struct ro_claim **ret,
+			size_t *ret_count)
+{
+	struct ro_claim *c;
+	int r = 0;
+
+	if (rep->type != REDIS_REPLY_ARRAY)
+		return bad_reply(q, rep, "claim");
+	c = calloc(rep->elements + 1, sizeof(*c));
+	if (!c) {
+		freeReplyObject(rep);
+		return -ENOMEM;
+	}
+	for (size_t i = 0; i < rep->elements && !r; i++)
+		r = parse_claim(rep->element[i], &c[i]);
+	if (r) {
+		ro_claims_free(c, rep->elements);
+		freeReplyObject(rep);
+		return fail(q, r, "bad claim reply");
+	}
+	*ret = c;
+	*ret_count = rep->elements;
+	freeReplyObject(rep);
+	return (int)*ret_count;
+}
+
+/* ---- operations ------------------------------------------------------------------- */
+
+int ro_queue_enqueue(struct ro_queue *q, const struct ro_unit *units, size_t count,
+		     int *ret_status)
+{
+	/* batches keep one script short: a long one would stall every other client */
+	const size_t batch = 128;
+	int r = 0;
+
+	for (size_t off = 0; off < count && !r; off += batch) {
+		size_t m = count - off < batch ? count - off : batch;
+		struct args a = {0};
+		redisReply *rep = NULL;
+
+		fcall_start(q, &a, "ro_enqueue");
+		for (size_t i = 0; i < m; i++) {
+			const struct ro_unit *u = &units[off + i];
+
+			args_str(&a, u->id);
+			args_str(&a, u->body);
+			args_fmt(&a, "%u", u->n);
+			args_str(&a, u->meta ? u->meta : "");
+		}
+		r = call(q, &a, &rep);
+		args_clear(&a);
+		if (r)
+			break;
+		if (rep->type != REDIS_REPLY_ARRAY || rep->elements != m)
+			return bad_reply(q, rep, "enqueue");
+		for (size_t i = 0; i < m; i++) {
+			long long v = rep->element[i]->integer;
+
+			if (ret_status)
+				ret_status[off + i] = v < 0 ? -EEXIST : (int)v;
+		}
+		freeReplyObject(rep);
+	}
+	return r;
+}
+
+int ro_queue_claim(struct ro_queue *q, uint32_t k, uint32_t lease_ms, struct ro_claim **ret,
+		   size_t *ret_count)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	*ret = NULL;
+	*ret_count = 0;
+	fcall_start(q, &a, "ro_claim");
+	args_str(&a, q->worker);
+	args_fmt(&a, "%u", k);
+	args_fmt(&a, "%u", lease_ms);
+	/* the request id makes a retried claim return what the lost one took */
+	args_fmt(&a, "%016llx", (unsigned long long)rng_next(q));
+	args_fmt(&a, "%u", q->o.max_attempts);
+	args_fmt(&a, "%u", q->o.worker_ttl_ms);
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	return parse_claims(q, rep, ret, ret_count);
+}
+
+int ro_queue_held(struct ro_queue *q, struct ro_claim **ret, size_t *ret_count)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	*ret = NULL;
+	*ret_count = 0;
+	fcall_start(q, &a, "ro_held");
+	args_str(&a, q->worker);
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	return parse_claims(q, rep, ret, ret_count);
+}
+
+int ro_queue_renew(struct ro_queue *q, const struct ro_claim *const *c, size_t count,
+		   uint32_t lease_ms, bool *ret_ok)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	fcall_start(q, &a, "ro_renew");
+	args_str(&a, q->worker);
+	args_fmt(&a, "%u", lease_ms);
+	args_fmt(&a, "%u", q->o.worker_ttl_ms);
+	for (size_t i = 0; i < count; i++) {
+		args_str(&a, c[i]->id);
+		args_str(&a, c[i]->token);
+	}
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != count)
+		return bad_reply(q, rep, "renew");
+	for (size_t i = 0; i < count; i++)
+		ret_ok[i] = rep->element[i]->integer == 1;
+	freeReplyObject(rep);
+	return 0;
+}
+
+int ro_queue_publish(struct ro_queue *q, const struct ro_claim *c, const struct ro_sample *s,
+		     size_t count, bool complete, char (*ret_ids)[24], bool *ret_completed)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	fcall_start(q, &a, "ro_publish");
+	args_str(&a, c->id);
+	args_str(&a, c->token);
+	args_str(&a, complete ? "1" : "0");
+	for (size_t i = 0; i < count; i++) {
+		const struct ro_sample *x = &s[i];
+
+		args_fmt(&a, "%u", x->idx);
+		args_str(&a, "6");
+		args_str(&a, "tokens");
+		args_take(&a, ro_json_ints(x->tokens, x->len));
+		args_str(&a, "logprobs");
+		args_take(&a, ro_json_floats(x->logprobs, x->len));
+		args_str(&a, "finish");
+		args_str(&a, x->finish ? x->finish : "length");
+		args_str(&a, "policy_version");
+		args_fmt(&a, "%lld", (long long)x->policy_version);
+		args_str(&a, "resumed_from");
+		args_fmt(&a, "%u", x->resumed_from);
+		args_str(&a, "gen_ms");
+		args_fmt(&a, "%llu", (unsigned long long)x->gen_ms);
+	}
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 1 + 2 * count ||
+	    !is_str(rep->element[0]))
+		return bad_reply(q, rep, "publish");
+	for (size_t i = 0; i < count; i++) {
+		if (ret_ids)
+			(void)snprintf(ret_ids[i], 24, "%s", rep->element[1 + 2 * i]->str);
+	}
+	if (ret_completed)
+		*ret_completed = rep->element[0]->len > 0;
+	freeReplyObject(rep);
+	return 0;
+}
+
+static void args_progress(struct args *a, const struct ro_progress *p, size_t count)
+{
+	for (size_t i = 0; i < count; i++) {
+		args_fmt(a, "%u", p[i].idx);
+		args_take(a, ro_progress_encode(&p[i]));
+	}
+}
+
+int ro_queue_checkpoint(struct ro_queue *q, const struct ro_claim *c, const struct ro_progress *p,
+			size_t count)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	fcall_start(q, &a, "ro_checkpoint");
+	args_str(&a, c->id);
+	args_str(&a, c->token);
+	args_progress(&a, p, count);
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	r = rep->type == REDIS_REPLY_INTEGER ? (int)rep->integer : -EPROTO;
+	freeReplyObject(rep);
+	return r < 0 ? fail(q, r, "unexpected reply to checkpoint") : r;
+}
+
+static int fcall_id_token(struct ro_queue *q, const char *fn, const struct ro_claim *c,
+			  const char *extra, redisReply **ret)
+{
+	struct args a = {0};
+	int r;
+
+	fcall_start(q, &a, fn);
+	args_str(&a, c->id);
+	args_str(&a, c->token);
+	if (extra)
+		args_str(&a, extra);
+	r = call(q, &a, ret);
+	args_clear(&a);
+	return r;
+}
+
+int ro_queue_complete(struct ro_queue *q, const struct ro_claim *c, char ret_group_id[24])
+{
+	redisReply *rep = NULL;
+	int r = fcall_id_token(q, "ro_complete", c, NULL, &rep);
+
+	if (r)
+		return r;
+	if (!is_str(rep))
+		return bad_reply(q, rep, "complete");
+	if (ret_group_id)
+		(void)snprintf(ret_group_id, 24, "%s", rep->str);
+	freeReplyObject(rep);
+	return 0;
+}
+
+int ro_queue_requeue(struct ro_queue *q, const struct ro_claim *c, const struct ro_progress *p,
+		     size_t count)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	fcall_start(q, &a, "ro_requeue");
+	args_str(&a, c->id);
+	args_str(&a, c->token);
+	args_progress(&a, p, count);
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	freeReplyObject(rep);
+	return 0;
+}
+
+int ro_queue_release(struct ro_queue *q, const struct ro_claim *c)
+{
+	redisReply *rep = NULL;
+	int r = fcall_id_token(q, "ro_release", c, NULL, &rep);
+
+	if (!r)
+		freeReplyObject(rep);
+	return r;
+}
+
+int ro_queue_dead_letter(struct ro_queue *q, const struct ro_claim *c, const char *reason)
+{
+	redisReply *rep = NULL;
+	int r = fcall_id_token(q, "ro_dead_letter", c, reason, &rep);
+
+	if (!r)
+		freeReplyObject(rep);
+	return r;
+}
+
+int ro_queue_reap(struct ro_queue *q, uint32_t *ret_requeued, uint32_t *ret_dead)
+{
+	uint32_t req = 0, dead = 0;
+	int r = 0;
+
+	/* in slices of 256 so a mass expiry never blocks the server for long */
+	for (int round = 0; round < 4096; round++) {
+		struct args a = {0};
+		redisReply *rep = NULL;
+
+		fcall_start(q, &a, "ro_reap");
+		args_fmt(&a, "%u", q->o.max_attempts);
+		args_str(&a, "256");
+		r = call(q, &a, &rep);
+		args_clear(&a);
+		if (r)
+			break;
+		if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2)
+			return bad_reply(q, rep, "reap");
+		req += (uint32_t)rep->element[0]->integer;
+		dead += (uint32_t)rep->element[1]->integer;
+		if (rep->element[0]->integer + rep->element[1]->integer == 0) {
+			freeReplyObject(rep);
+			break;
+		}
+		freeReplyObject(rep);
+	}
+	if (ret_requeued)
+		*ret_requeued = req;
+	if (ret_dead)
+		*ret_dead = dead;
+	return r;
+}
+
+void ro_dead_free(struct ro_dead *d, size_t count)
+{
+	if (!d)
+		return;
+	for (size_t i = 0; i < count; i++) {
+		free(d[i].id);
+		free(d[i].reason);
+		free(d[i].history);
+	}
+	free(d);
+}
+
+int ro_queue_dead_list(struct ro_queue *q, uint32_t start, uint32_t count, struct ro_dead **ret,
+		       size_t *ret_count)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	struct ro_dead *d;
+	int r;
+
+	*ret = NULL;
+	*ret_count = 0;
+	fcall_start(q, &a, "ro_dead_list");
+	args_fmt(&a, "%u", start);
+	args_fmt(&a, "%u", count);
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	if (rep->type != REDIS_REPLY_ARRAY)
+		return bad_reply(q, rep, "dead list");
+	d = calloc(rep->elements + 1, sizeof(*d));
+	if (!d) {
+		freeReplyObject(rep);
+		return -ENOMEM;
+	}
+	for (size_t i = 0; i < rep->elements; i++) {
+		redisReply *e = rep->element[i];
+
+		if (e->type != REDIS_REPLY_ARRAY || e->elements != 4) {
+			ro_dead_free(d, i);
+			return bad_reply(q, rep, "dead list");
+		}
+		d[i].id = strdup(e->element[0]->str);
+		d[i].reason = strdup(e->element[1]->str);
+		d[i].attempt = (uint32_t)strtoul(e->element[2]->str, NULL, 10);
+		d[i].history = strdup(e->element[3]->str);
+	}
+	*ret = d;
+	*ret_count = rep->elements;
+	freeReplyObject(rep);
+	return (int)*ret_count;
+}
+
+int ro_queue_dead_retry(struct ro_queue *q, const char *id)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	fcall_start(q, &a, "ro_dead_retry");
+	args_str(&a, id);
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (!r)
+		freeReplyObject(rep);
+	return r;
+}
+
+int ro_queue_dead_purge(struct ro_queue *q)
+{
+	int total = 0;
+
+	for (;;) {
+		struct args a = {0};
+		redisReply *rep = NULL;
+		int r;
+		long long n;
+
+		fcall_start(q, &a, "ro_dead_purge");
+		args_str(&a, "512");
+		r = call(q, &a, &rep);
+		args_clear(&a);
+		if (r)
+			return r;
+		n = rep->type == REDIS_REPLY_INTEGER ? rep->integer : 0;
+		freeReplyObject(rep);
+		total += (int)n;
+		if (n == 0)
+			return total;
+	}
+}
+
+int ro_queue_heartbeat(struct ro_queue *q, const char *const *kv, size_t n_kv)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	fcall_start(q, &a, "ro_heartbeat");
+	args_str(&a, q->worker);
+	args_fmt(&a, "%u", q->o.worker_ttl_ms);
+	for (size_t i = 0; i + 1 < n_kv; i += 2) {
+		args_str(&a, kv[i]);
+		args_str(&a, kv[i + 1]);
+	}
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (!r)
+		freeReplyObject(rep);
+	return r;
+}
+
+int ro_queue_wait(struct ro_queue *q, uint32_t timeout_ms, bool *ret_woken)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	char key[300];
+	int r;
+
+	/* hiredis 0.14 kills the context on a socket timeout: stay well inside it */
+	if (timeout_ms + 500 > q->o.timeout_ms)
+		timeout_ms = q->o.timeout_ms > 600 ? q->o.timeout_ms - 500 : 100;
+	args_str(&a, "BLPOP");
+	args_str(&a, ro_queue_key(q, "marker", key, sizeof(key)));
+	args_fmt(&a, "%.3f", timeout_ms / 1000.0);
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	*ret_woken = rep->type == REDIS_REPLY_ARRAY;
+	freeReplyObject(rep);
+	return 0;
+}
+
+static int cmd(struct ro_queue *q, redisReply **ret, int argc, const char **argv)
+{
+	struct args a = {0};
+	int r;
+
+	for (int i = 0; i < argc; i++)
+		args_str(&a, argv[i]);
+	r = call(q, &a, ret);
+	args_clear(&a);
+	return r;
+}
+
+static long long cmd_int(struct ro_queue *q, int *r, int argc, const char **argv)
+{
+	redisReply *rep = NULL;
+	long long v = 0;
+
+	if (*r)
+		return 0;
+	*r = cmd(q, &rep, argc, argv);
+	if (*r)
+		return 0;
+	if (rep->type == REDIS_REPLY_INTEGER)
+		v = rep->integer;
+	else if (rep->type == REDIS_REPLY_STRING)
+		v = strtoll(rep->str, NULL, 10);
+	freeReplyObject(rep);
+	return v;
+}
+
+static const redisReply *kv_get(const redisReply *h, const char *k)
+{
+	for (size_t i = 0; i + 1 < h->elements; i += 2) {
+		if (is_str(h->element[i]) && !strcmp(h->element[i]->str, k))
+			return h->element[i + 1];
+	}
+	return NULL;
+}
+
+int ro_queue_backlog(struct ro_queue *q, const char *group, int64_t *ret_len, int64_t *ret_lag)
+{
+	char key[300];
+	const char *argv[3] = {"XLEN", ro_queue_key(q, "samples", key, sizeof(key)), NULL};
+	redisReply *rep = NULL;
+	int r = 0;
+	int64_t len = cmd_int(q, &r, 2, argv), lag = -1;
+
+	if (r)
+		return r;
+	argv[0] = "XINFO";
+	argv[1] = "GROUPS";
+	argv[2] = key;
+	r = cmd(q, &rep, 3, argv);
+	if (r == -EPROTO) {
+		r = 0; /* no stream yet */
+	} else if (r) {
+		return r;
+	} else {
+		for (size_t i = 0; i < rep->elements; i++) {
+			const redisReply *g = rep->element[i], *name = kv_get(g, "name"),
+					 *l = kv_get(g, "lag");
+			int64_t v;
+
+			if (group && (!name || !is_str(name) || strcmp(name->str, group)))
+				continue;
+			/* Redis reports no lag when it cannot tell (after XDEL): count all */
+			v = l && l->type == REDIS_REPLY_INTEGER ? l->integer : len;
+			if (v > lag)
+				lag = v;
+		}
+		freeReplyObject(rep);
+	}
+	*ret_len = len;
+	*ret_lag = lag < 0 ? len : lag;
+	return 0;
+}
+
+void ro_queue_stats_clear(struct ro_queue_stats *s)
+{
+	for (uint32_t i = 0; i < s->n_workers; i++) {
+		free(s->workers[i].id);
+		free(s->workers[i].fields);
+	}
+	free(s->workers);
+	memset(s, 0, sizeof(*s));
+}
+
+static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
+{
+	char key[300], wkey[600];
+	const char *argv[5] = {"ZRANGE", ro_queue_key(q, "workers", key, sizeof(key)), "0", "-1",
+			       "WITHSCORES"};
+	redisReply *rep = NULL, *t = NULL;
+	int64_t now;
+	int r;
+
+	r = cmd(q, &t, 1, (const char *[]){"TIME"});
+	if (r)
+		return r;
+	now = strtoll(t->element[0]->str, NULL, 10) * 1000 + strtoll(t->element[1]->str, NULL, 10) / 1000;
+	freeReplyObject(t);
+	r = cmd(q, &rep, 5, argv);
+	if (r)
+		return r;
+	s->workers = calloc(rep->elements / 2 + 1, sizeof(*s->workers));
+	if (!s->workers) {
+		freeReplyObject(rep);
+		return -ENOMEM;
+	}
+	for (size_t i = 0; i + 1 < rep->elements && !r; i += 2) {
+		redisReply *h = NULL;
+		struct json_object *o;
+		const char *hargv[2] = {"HGETALL", wkey};
+
+		(void)snprintf(wkey, sizeof(wkey), "%sworker:%s", q->prefix, rep->element[i]->str);
+		r = cmd(q, &h, 2, hargv);
+		if (r)
+			break;
+		if (h->elements == 0) { /* heartbeat expired: the worker is gone */
+			freeReplyObject(h);
+			continue;
+		}
+		o = json_object_new_object();
+		for (size_t j = 0; j + 1 < h->elements; j += 2) {
+			const char *k = h->element[j]->str;
+
+			if (!strncmp(k, "claim_", 6))
+				continue;
+			json_object_object_add(o, k, json_object_new_string(h->element[j + 1]->str));
+		}
+		s->workers[s->n_workers].id = strdup(rep->element[i]->str);
+		s->workers[s->n_workers].age_ms = now - strtoll(rep->element[i + 1]->str, NULL, 10);
+		s->workers[s->n_workers].fields =
+			strdup(json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN));
+		s->n_workers++;
+		json_object_put(o);
+		freeReplyObject(h);
+	}
+	freeReplyObject(rep);
+	return r;
+}
+
+int ro_queue_stats(struct ro_queue *q, struct ro_queue_stats *s)
+{
+	char k[6][300];
+	int r = 0;
+
+	memset(s, 0, sizeof(*s));
+	s->pending = cmd_int(q, &r, 2,
+			     (const char *[]){"LLEN", ro_queue_key(q, "pending", k[0], sizeof(k[0]))});
+	s->leased = cmd_int(q, &r, 2,
+			    (const char *[]){"ZCARD", ro_queue_key(q, "leases", k[1], sizeof(k[1]))});
+	s->done = cmd_int(q, &r, 3,
+			  (const char *[]){"HGET", ro_queue_key(q, "stats", k[2], sizeof(k[2])),
+					   "done"});
+	s->dead = cmd_int(q, &r, 2, (const char *[]){"LLEN", ro_queue_key(q, "dead", k[3], sizeof(k[3]))});
+	s->groups = cmd_int(q, &r, 2,
+			    (const char *[]){"XLEN", ro_queue_key(q, "groups", k[4], sizeof(k[4]))});
+	if (r)
+		return r;
+	r = ro_queue_backlog(q, NULL, &s->samples, &s->lag);
+	if (r)
+		return r;
+	{
+		redisReply *rep = NULL;
+
+		r = cmd(q, &rep, 3,
+			(const char *[]){"XINFO", "GROUPS",
+					 ro_queue_key(q, "samples", k[5], sizeof(k[5]))});
+		if (!r) {
+			s->n_groups = (uint32_t)rep->elements;
+			freeReplyObject(rep);
+		}
+		r = 0;
+	}
+	r = stats_workers(q, s);
+	if (r)
+		ro_queue_stats_clear(s);
+	return r;
+}
+
+/* One stream entry as a JSON object: fields that hold JSON (tokens, logprobs, meta) are
+ * embedded as values, numbers as numbers, the rest as strings. */
+static char *entry_json(const redisReply *e)
+{
+	struct json_object *o = json_object_new_object();
+	const redisReply *f = e->element[1];
+	char *s;
+
+	json_object_object_add(o, "id", json_object_new_string(e->element[0]->str));
+	for (size_t i = 0; i + 1 < f->elements; i += 2) {
+		const char *k = f->element[i]->str, *v = f->element[i + 1]->str;
+		struct json_object *val = NULL;
+
+		if (!strcmp(k, "tokens") || !strcmp(k, "logprobs") || !strcmp(k, "meta"))
+			val = json_tokener_parse(v);
+		else if (!strcmp(k, "idx") || !strcmp(k, "attempt") ||
+			 !strcmp(k, "policy_version") || !strcmp(k, "resumed_from") ||
+			 !strcmp(k, "gen_ms") || !strcmp(k, "n"))
+			val = json_object_new_int64(strtoll(v, NULL, 10));
+		if (!val)
+			val = json_object_new_string(v);
+		json_object_object_add(o, k, val);
+	}
+	s = strdup(json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN));
+	json_object_put(o);
+	return s;
+}
+
+int ro_queue_read_samples(struct ro_queue *q, char cursor[48], uint32_t count, uint32_t block_ms,
+			  void (*emit)(void *arg, const char *json), void *arg)
+{
+	char key[300], cnt[16], blk[16], from[64];
+	redisReply *rep = NULL;
+	const redisReply *entries;
+	int r, n = 0;
+
+	(void)snprintf(cnt, sizeof(cnt), "%u", count ? count : 100);
+	ro_queue_key(q, "samples", key, sizeof(key));
+	if (block_ms) {
+		if (block_ms + 500 > q->o.timeout_ms)
+			block_ms = q->o.timeout_ms > 600 ? q->o.timeout_ms - 500 : 100;
+		(void)snprintf(blk, sizeof(blk), "%u", block_ms);
+		r = cmd(q, &rep, 7,
+			(const char *[]){"XREAD", "COUNT", cnt, "BLOCK", blk, "STREAMS", key, cursor});
+		if (r)
+			return r;
+		if (rep->type != REDIS_REPLY_ARRAY) { /* nil: nothing new in time */
+			freeReplyObject(rep);
+			return 0;
+		}
+		entries = rep->element[0]->element[1];
+	} else {
+		if (!strcmp(cursor, "$"))
+			return 0;
+		if (!strcmp(cursor, "0"))
+			(void)snprintf(from, sizeof(from), "-");
+		else
+			(void)snprintf(from, sizeof(from), "(%s", cursor);
+		r = cmd(q, &rep, 6, (const char *[]){"XRANGE", key, from, "+", "COUNT", cnt});
+		if (r)
+			return r;
+		entries = rep;
+	}
+	for (size_t i = 0; i < entries->elements; i++) {
+		char *s = entry_json(entries->element[i]);
+
+		if (s) {
+			emit(arg, s);
+			free(s);
+		}
+		(void)snprintf(cursor, 48, "%s", entries->element[i]->element[0]->str);
+		n++;
+	}
+	freeReplyObject(rep);
+	return n;
+}

@@ -1,0 +1,192 @@
+/* The rolloutd work queue: units of work (prompts) in Redis, claimed under a lease with a
+ * fencing token, published sample by sample, checkpointed, requeued and reaped so that
+ * nothing is lost and nothing is published twice. This header is the whole face of queue/.
+ *
+ * Every function returns 0 (or a count) on success and -errno on failure:
+ *   -ESTALE  the lease token is not (or no longer) the holder's: nothing was written
+ *   -EINVAL  a bad argument or a unit that breaks a bound (reason in the message)
+ *   -EEXIST  the unit id exists with a different body
+ *   -ENOENT  no such unit
+ *   -EBUSY   complete() before every sample was published
+ *   -EIO / -ETIMEDOUT  Redis unreachable after the retry budget; safe to call again
+ * ro_queue_errmsg() gives the human message of the last failure. */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct ro_queue;
+
+struct ro_unit_bounds {
+	uint32_t max_prompt;     /* tokens in the prompt */
+	uint32_t max_n;          /* samples per unit */
+	uint32_t max_new_tokens; /* generated tokens per sample */
+	uint32_t max_body;       /* bytes of the unit's JSON */
+};
+
+/* Defaults: prompt 32768 tokens, n 64, max_new_tokens 32768, body 1 MiB. */
+void ro_unit_bounds_default(struct ro_unit_bounds *b);
+
+struct ro_queue_opts {
+	const char *url;      /* redis://host:port/db, redis://:pass@host:port, unix:///path?db=N */
+	const char *queue;    /* queue name, the {q} of the key schema */
+	const char *prefix;   /* key prefix, default "ro" */
+	const char *worker;   /* this client's worker id (claimers only) */
+	uint32_t timeout_ms;  /* socket timeout per command, default 5000 */
+	uint32_t retry_ms;    /* total time one operation keeps reconnecting, default 10000 */
+	uint32_t max_attempts; /* failed leases before a unit is dead-lettered, default 3 */
+	uint32_t worker_ttl_ms; /* heartbeat key lifetime, default 30000 */
+	struct ro_unit_bounds bounds;
+	/* Test hook: called after a command was written, before its reply is read. */
+	void (*after_send)(void *arg, const char *fn);
+	void *after_send_arg;
+};
+
+/* A unit as enqueued, after validation. Owned by the caller of ro_unit_parse(). */
+struct ro_unit {
+	char *id;
+	char *body; /* normalized JSON */
+	char *meta; /* JSON of "meta", or NULL */
+	int32_t *prompt;
+	uint32_t prompt_len;
+	uint32_t n;
+	uint32_t max_new_tokens;
+	double temperature, top_p;
+	uint32_t top_k;
+	uint64_t seed;
+	int32_t *stop;
+	uint32_t stop_len;
+	int64_t min_policy_version;
+};
+
+/* Progress of an unfinished sample: the generated prefix and where the sampler stands. */
+struct ro_progress {
+	uint32_t idx;
+	uint32_t len;
+	int32_t *tokens;
+	float *logprobs;
+	uint64_t sampler_pos;
+	int64_t policy_version;
+};
+
+/* A unit as claimed. */
+struct ro_claim {
+	char *id;
+	char *body;
+	char token[24];
+	uint32_t attempt;
+	uint32_t n;
+	uint32_t n_published;
+	uint32_t *published_idx; /* indexes already in the samples stream */
+	char **published_ids;    /* their stream entry ids */
+	uint32_t n_progress;
+	struct ro_progress *progress;
+};
+
+struct ro_sample {
+	uint32_t idx;
+	const int32_t *tokens;
+	const float *logprobs;
+	uint32_t len;
+	const char *finish; /* "stop" | "length" */
+	int64_t policy_version;
+	uint32_t resumed_from;
+	uint64_t gen_ms;
+};
+
+struct ro_queue_stats {
+	int64_t pending, leased, done, dead, samples, groups;
+	int64_t lag;      /* the most behind trainer group's lag, or samples when no group */
+	uint32_t n_groups; /* consumer groups on the samples stream */
+	uint32_t n_workers;
+	struct ro_worker_info {
+		char *id;
+		int64_t age_ms; /* since its last heartbeat */
+		char *fields;   /* its heartbeat hash as a JSON object */
+	} *workers;
+};
+
+/* Parse and check one unit (JSON text of len bytes) against bounds. On -EINVAL, ret_why
+ * (if given, size why_len) says which field broke which rule. */
+int ro_unit_parse(const char *json, size_t len, const struct ro_unit_bounds *b,
+		  struct ro_unit *ret, char *ret_why, size_t why_len);
+void ro_unit_clear(struct ro_unit *u);
+bool ro_unit_id_valid(const char *id);
+
+int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret);
+struct ro_queue *ro_queue_free(struct ro_queue *q);
+/* The message of q's last failure; with NULL, why this thread's last ro_queue_new() failed. */
+const char *ro_queue_errmsg(const struct ro_queue *q);
+/* Times the connection was (re)established; a caller that holds leases rescans after one. */
+uint64_t ro_queue_connects(const struct ro_queue *q);
+
+/* Enqueue count units; ret_status[i] is 1 queued, 0 already queued with the same body,
+ * -EEXIST the id exists with another body. */
+int ro_queue_enqueue(struct ro_queue *q, const struct ro_unit *units, size_t count, int *ret_status);
+
+/* Claim up to k units under a lease of lease_ms. Returns how many (0: none pending). */
+int ro_queue_claim(struct ro_queue *q, uint32_t k, uint32_t lease_ms, struct ro_claim **ret,
+		   size_t *ret_count);
+/* Every unit this worker holds now (after a reconnect). */
+int ro_queue_held(struct ro_queue *q, struct ro_claim **ret, size_t *ret_count);
+void ro_claims_free(struct ro_claim *c, size_t count);
+
+/* Renew the leases of count units; ret_ok[i] false: that lease is lost. */
+int ro_queue_renew(struct ro_queue *q, const struct ro_claim *const *c, size_t count,
+		   uint32_t lease_ms, bool *ret_ok);
+/* Publish samples of one unit; ret_ids[i] (size 24) gets each entry id (the first one on a
+ * duplicate). With complete, the unit is completed in the same step when all n are in;
+ * *ret_completed then says whether it was. */
+int ro_queue_publish(struct ro_queue *q, const struct ro_claim *c, const struct ro_sample *s,
+		     size_t count, bool complete, char (*ret_ids)[24], bool *ret_completed);
+int ro_queue_checkpoint(struct ro_queue *q, const struct ro_claim *c, const struct ro_progress *p,
+			size_t count);
+int ro_queue_complete(struct ro_queue *q, const struct ro_claim *c, char ret_group_id[24]);
+/* Back to the head of pending with the given checkpoints written in the same step. */
+int ro_queue_requeue(struct ro_queue *q, const struct ro_claim *c, const struct ro_progress *p,
+		     size_t count);
+/* Back to the tail of pending, progress kept, attempt not charged. */
+int ro_queue_release(struct ro_queue *q, const struct ro_claim *c);
+/* The holder found the unit unusable: to the dead-letter list with reason. */
+int ro_queue_dead_letter(struct ro_queue *q, const struct ro_claim *c, const char *reason);
+
+/* Expired leases back to pending or, past max_attempts, to dead. */
+int ro_queue_reap(struct ro_queue *q, uint32_t *ret_requeued, uint32_t *ret_dead);
+
+struct ro_dead {
+	char *id, *reason, *history;
+	uint32_t attempt;
+};
+int ro_queue_dead_list(struct ro_queue *q, uint32_t start, uint32_t count, struct ro_dead **ret,
+		       size_t *ret_count);
+void ro_dead_free(struct ro_dead *d, size_t count);
+int ro_queue_dead_retry(struct ro_queue *q, const char *id);
+/* Deletes every dead unit; returns how many. */
+int ro_queue_dead_purge(struct ro_queue *q);
+
+/* Worker heartbeat with (field, value) pairs. */
+int ro_queue_heartbeat(struct ro_queue *q, const char *const *kv, size_t n_kv);
+
+/* Block up to timeout_ms (< the socket timeout) for a wake-up marker. true: work may be
+ * pending. */
+int ro_queue_wait(struct ro_queue *q, uint32_t timeout_ms, bool *ret_woken);
+
+/* Length of the samples stream and the lag of trainer group (NULL: the most behind one;
+ * the stream length when no group exists). The agent never trims; it backs off on this. */
+int ro_queue_backlog(struct ro_queue *q, const char *group, int64_t *ret_len, int64_t *ret_lag);
+int ro_queue_stats(struct ro_queue *q, struct ro_queue_stats *ret);
+void ro_queue_stats_clear(struct ro_queue_stats *s);
+
+/* Samples stream as JSON lines: entries after *cursor ("0" or "$" to start), up to count;
+ * block_ms > 0 waits for new ones. *cursor advances. Each line goes to emit. */
+int ro_queue_read_samples(struct ro_queue *q, char cursor[48], uint32_t count, uint32_t block_ms,
+			  void (*emit)(void *arg, const char *json), void *arg);
+
+/* The key of a suffix under this queue's prefix ("pending" -> "ro:{q}:pending"). */
+const char *ro_queue_key(struct ro_queue *q, const char *suffix, char *buf, size_t len);
+
+/* Progress encoding (the checkpoint format stored in the unit hash). */
+char *ro_progress_encode(const struct ro_progress *p);
+int ro_progress_decode(const char *s, uint32_t idx, struct ro_progress *ret);
+void ro_progress_clear(struct ro_progress *p);

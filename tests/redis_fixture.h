@@ -1,0 +1,42 @@
+/* Test fixture: a private redis-server on a free loopback port in a temporary directory,
+ * started per test binary (or per test, for tests that kill and restart it) and always
+ * stopped: by the POST_ALL hook, and by PR_SET_PDEATHSIG if the runner itself dies. */
+#pragma once
+
+#include <hiredis/hiredis.h>
+#include <stdbool.h>
+#include <sys/types.h>
+
+#include "queue/queue.h"
+
+struct ro_test_redis {
+	pid_t pid;
+	int port;
+	bool aof;
+	char dir[64];
+	char url[96];
+	char sock[128];
+};
+
+int ro_test_redis_start(struct ro_test_redis *r, bool aof);
+/* SIGKILL, keeping the data directory (for a restart). */
+void ro_test_redis_kill(struct ro_test_redis *r);
+/* Start again on the same port and directory (AOF replayed). */
+int ro_test_redis_restart(struct ro_test_redis *r);
+void ro_test_redis_stop(struct ro_test_redis *r);
+
+redisContext *ro_test_redis_connect(const char *url);
+/* The binary's shared server (RO_TEST_REDIS_URL set by the hooks). */
+const char *ro_test_redis_url(void);
+
+/* A queue client for tests; queue names are made unique per process. */
+struct ro_queue *ro_test_queue(const char *url, const char *queue, const char *worker,
+			       uint32_t max_attempts);
+/* "name-<pid>-<counter>" */
+const char *ro_test_name(const char *base, char *buf, size_t len);
+
+/* Run a command on a context, abort the test on error; returns the integer or length. */
+long long ro_test_int(redisContext *c, const char *fmt, ...);
+
+/* Include tests/redis_hooks.h (once, in a test file) to start the binary's redis-server
+ * before the tests and stop it after them. */
