@@ -322,6 +322,10 @@ static int connect_once(struct ro_queue *q)
 		if (r)
 			goto out_drop;
 	}
+	/* named, so an operator's CLIENT LIST shows which worker holds which connection */
+	r = simple(q, NULL, "CLIENT SETNAME rolloutd:%s", q->worker);
+	if (r)
+		goto out_drop;
 	/* load the library only when the server lacks this exact version */
 	r = simple(q, &rep, "FCALL ro_version 0");
 	if (r == -EPROTO || (!r && (rep->type != REDIS_REPLY_STRING ||
@@ -379,6 +383,12 @@ int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 	q->worker = strdup(o->worker && *o->worker ? o->worker : "anonymous");
 	if (!q->worker) {
 		r = -ENOMEM;
+		goto out_free;
+	}
+	if (!ro_unit_id_valid(q->worker)) {
+		r = -EINVAL;
+		(void)fail(q, r, "worker id \"%s\" must be 1-128 characters of [A-Za-z0-9._:-]",
+			   q->worker);
 		goto out_free;
 	}
 	r = parse_url(q, o->url && *o->url ? o->url : "redis://127.0.0.1:6379/0");
@@ -456,7 +466,7 @@ static int call(struct ro_queue *q, struct args *a, redisReply **ret)
 						r = ctx_error(q, "send");
 				}
 				if (!r && q->o.after_send)
-					q->o.after_send(q->o.after_send_arg, a->v[1]);
+					q->o.after_send(q->o.after_send_arg, a->v[1], q->c->fd);
 				if (!r && redisGetReply(q->c, (void **)&rep) != REDIS_OK)
 					r = ctx_error(q, "reply");
 			}

@@ -38,8 +38,9 @@ struct ro_queue_opts {
 	uint32_t max_attempts; /* failed leases before a unit is dead-lettered, default 3 */
 	uint32_t worker_ttl_ms; /* heartbeat key lifetime, default 30000 */
 	struct ro_unit_bounds bounds;
-	/* Test hook: called after a command was written, before its reply is read. */
-	void (*after_send)(void *arg, const char *fn);
+	/* Test hook: called after a command was written, before its reply is read, with the
+	 * name of the function (or command) and the connection's socket. */
+	void (*after_send)(void *arg, const char *fn, int fd);
 	void *after_send_arg;
 };
 

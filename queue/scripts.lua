@@ -174,13 +174,22 @@ local function claim(keys, args)
 		if not id then break end
 		pops = pops + 1
 		local ukey = P .. 'unit:' .. id
-		if redis.call('HGET', ukey, 'state') == 'pending' then
+		local st = redis.call('HMGET', ukey, 'state', 'attempt')
+		-- A unit whose lease already expired once may be what kills its workers: it is
+		-- claimed alone, so a poison unit takes no batch of healthy units down with it.
+		local suspect = (tonumber(st[2]) or 1) > 1
+		if st[1] == 'pending' and suspect and #ids > 0 then
+			redis.call('LPUSH', P .. 'pending', id)
+			break
+		end
+		if st[1] == 'pending' then
 			local token = redis.call('HINCRBY', ukey, 'token', 1)
 			redis.call('HSET', ukey, 'state', 'leased', 'owner', worker, 'claimed_ms', now)
 			redis.call('ZADD', P .. 'leases', now + lease, id)
 			hist(ukey, now, 'claim', worker, redis.call('HGET', ukey, 'attempt'))
 			ids[#ids + 1] = id
 			out[#out + 1] = unit_reply(ukey, id)
+			if suspect then break end
 		end
 	end
 	redis.call('HSET', wkey, 'claim_req', reqid, 'claim_ids', table.concat(ids, ','))

@@ -237,3 +237,223 @@ long long ro_test_int(redisContext *c, const char *fmt, ...)
 	freeReplyObject(rep);
 	return v;
 }
+
+static int64_t now_ms(void)
+{
+	struct timespec ts;
+
+	(void)clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static bool transient(int r)
+{
+	return r == -EIO || r == -ETIMEDOUT || r == -EAGAIN;
+}
+
+void ro_test_enqueue(struct ro_queue *q, const char *prefix, int first, int count, unsigned n,
+		     bool poison)
+{
+	struct ro_unit *u = calloc((size_t)count, sizeof(*u));
+	struct ro_unit_bounds b;
+	int *st = calloc((size_t)count, sizeof(*st));
+
+	ro_unit_bounds_default(&b);
+	for (int i = 0; i < count; i++) {
+		char json[256];
+
+		(void)snprintf(json, sizeof(json),
+			       "{\"id\":\"%s-%d\",\"prompt\":[1,2,3],\"n\":%u,"
+			       "\"max_new_tokens\":4%s}",
+			       prefix, first + i, n, poison ? ",\"meta\":{\"poison\":true}" : "");
+		if (ro_unit_parse(json, strlen(json), &b, &u[i], NULL, 0))
+			abort();
+	}
+	if (ro_queue_enqueue(q, u, (size_t)count, st)) {
+		(void)fprintf(stderr, "fixture: enqueue: %s\n", ro_queue_errmsg(q));
+		abort();
+	}
+	for (int i = 0; i < count; i++)
+		ro_unit_clear(&u[i]);
+	free(u);
+	free(st);
+}
+
+static bool finished(struct ro_queue *q, long total)
+{
+	struct ro_queue_stats s;
+	bool done;
+
+	if (ro_queue_stats(q, &s))
+		return false;
+	done = s.done + s.dead >= total;
+	ro_queue_stats_clear(&s);
+	return done;
+}
+
+static bool is_published(const struct ro_claim *c, uint32_t idx)
+{
+	for (uint32_t i = 0; i < c->n_published; i++) {
+		if (c->published_idx[i] == idx)
+			return true;
+	}
+	return false;
+}
+
+static const struct ro_progress *progress_of(const struct ro_claim *c, uint32_t idx)
+{
+	for (uint32_t i = 0; i < c->n_progress; i++) {
+		if (c->progress[i].idx == idx)
+			return &c->progress[i];
+	}
+	return NULL;
+}
+
+/* publish sample idx of c, retrying what could not be confirmed; -ESTALE: lease lost */
+static int publish_one(struct ro_queue *q, const struct ro_claim *c, uint32_t idx, int64_t end)
+{
+	const struct ro_progress *p = progress_of(c, idx);
+	int32_t tok[2] = {(int32_t)idx, (int32_t)c->attempt};
+	float lp[2] = {-1.0f, -2.0f};
+	struct ro_sample s = {.idx = idx, .tokens = tok, .logprobs = lp, .len = 2,
+			      .finish = "length", .resumed_from = p ? p->len : 0};
+	char ids[1][24];
+	int r;
+
+	do
+		r = ro_queue_publish(q, c, &s, 1, false, ids, NULL);
+	while (transient(r) && now_ms() < end);
+	return r;
+}
+
+long ro_test_worker_run(const char *url, const char *queue, const char *worker, long total,
+			int seconds, uint32_t lease_ms, bool die_on_poison)
+{
+	struct ro_queue *q = ro_test_queue(url, queue, worker, 3);
+	int64_t end = now_ms() + seconds * 1000L;
+	long completed = 0;
+
+	while (now_ms() < end) {
+		struct ro_claim *c = NULL;
+		size_t n = 0;
+		int r = ro_queue_claim(q, 4, lease_ms, &c, &n);
+
+		if (transient(r))
+			continue;
+		if (r < 0) {
+			(void)fprintf(stderr, "fixture: claim: %s\n", ro_queue_errmsg(q));
+			abort();
+		}
+		if (n == 0) {
+			bool woken;
+
+			ro_claims_free(c, n);
+			if (finished(q, total))
+				break;
+			(void)ro_queue_wait(q, 100, &woken);
+			continue;
+		}
+		for (size_t i = 0; i < n; i++) {
+			char gid[24];
+
+			if (die_on_poison && strstr(c[i].body, "\"poison\""))
+				(void)raise(SIGKILL);
+			r = 0;
+			for (uint32_t idx = 0; idx < c[i].n && !r; idx++) {
+				if (!is_published(&c[i], idx))
+					r = publish_one(q, &c[i], idx, end);
+			}
+			if (r)
+				continue; /* lease lost (or time up): someone else finishes it */
+			do
+				r = ro_queue_complete(q, &c[i], gid);
+			while (transient(r) && now_ms() < end);
+			if (!r)
+				completed++;
+		}
+		ro_claims_free(c, n);
+	}
+	ro_queue_free(q);
+	return completed;
+}
+
+static int cmp_str(const void *a, const void *b)
+{
+	return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static long scan_stream(redisContext *c, const char *queue, const char *which, char ***ret,
+			long *ret_resumed)
+{
+	char from[64] = "-";
+	char **keys = NULL;
+	long n = 0, cap = 0, resumed = 0;
+
+	for (;;) {
+		redisReply *rep = redisCommand(c, "XRANGE ro:{%s}:%s %s + COUNT 1000", queue, which,
+					       from);
+
+		if (!rep || rep->type != REDIS_REPLY_ARRAY)
+			abort();
+		for (size_t i = 0; i < rep->elements; i++) {
+			redisReply *f = rep->element[i]->element[1];
+			const char *unit = "?", *idx = "";
+			char *k;
+
+			for (size_t j = 0; j + 1 < f->elements; j += 2) {
+				if (!strcmp(f->element[j]->str, "unit"))
+					unit = f->element[j + 1]->str;
+				else if (!strcmp(f->element[j]->str, "idx"))
+					idx = f->element[j + 1]->str;
+				else if (!strcmp(f->element[j]->str, "resumed_from") &&
+					 strcmp(f->element[j + 1]->str, "0"))
+					resumed++;
+			}
+			if (n == cap) {
+				cap = cap ? cap * 2 : 1024;
+				keys = realloc(keys, (size_t)cap * sizeof(*keys));
+			}
+			if (asprintf(&k, "%s|%s", unit, idx) < 0)
+				abort();
+			keys[n++] = k;
+			(void)snprintf(from, sizeof(from), "(%s", rep->element[i]->element[0]->str);
+		}
+		if (rep->elements < 1000) {
+			freeReplyObject(rep);
+			break;
+		}
+		freeReplyObject(rep);
+	}
+	qsort(keys, (size_t)n, sizeof(*keys), cmp_str);
+	for (long i = 1; i < n; i++) {
+		if (!strcmp(keys[i], keys[i - 1])) {
+			(void)fprintf(stderr, "fixture: %s has %s twice\n", which, keys[i]);
+			abort();
+		}
+	}
+	*ret = keys;
+	if (ret_resumed)
+		*ret_resumed = resumed;
+	return n;
+}
+
+long ro_test_verify_exactly_once(redisContext *c, const char *queue, long units, unsigned n)
+{
+	char **s = NULL, **g = NULL;
+	long resumed = 0;
+	long ns = scan_stream(c, queue, "samples", &s, &resumed);
+	long ng = scan_stream(c, queue, "groups", &g, NULL);
+
+	if (ns != units * (long)n || ng != units) {
+		(void)fprintf(stderr, "fixture: %ld samples and %ld groups, want %ld and %ld\n", ns,
+			      ng, units * (long)n, units);
+		abort();
+	}
+	for (long i = 0; i < ns; i++)
+		free(s[i]);
+	for (long i = 0; i < ng; i++)
+		free(g[i]);
+	free(s);
+	free(g);
+	return resumed;
+}

@@ -40,3 +40,20 @@ long long ro_test_int(redisContext *c, const char *fmt, ...);
 
 /* Include tests/redis_hooks.h (once, in a test file) to start the binary's redis-server
  * before the tests and stop it after them. */
+
+/* A test worker: claims, publishes every missing sample one by one (tokens {idx, attempt}),
+ * completes; retries what Redis could not confirm. Stops when done + dead reaches total or
+ * after seconds. With die_on_poison, a unit whose meta has "poison" kills the process (a
+ * worker that dies on that unit every time). Returns the units it completed. */
+long ro_test_worker_run(const char *url, const char *queue, const char *worker, long total,
+			int seconds, uint32_t lease_ms, bool die_on_poison);
+
+/* Enqueue units "<prefix>-<i>" with n samples each (plus, with poison, their meta marks
+ * them so die_on_poison workers die on them). */
+void ro_test_enqueue(struct ro_queue *q, const char *prefix, int first, int count, unsigned n,
+		     bool poison);
+
+/* Every (unit, idx) of the samples stream exactly once, units*n entries in all, and one
+ * groups entry per completed unit; aborts the test with a message otherwise. Returns the
+ * number of samples that say they were resumed from a prefix. */
+long ro_test_verify_exactly_once(redisContext *c, const char *queue, long units, unsigned n);

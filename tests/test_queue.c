@@ -442,6 +442,38 @@ Test(queue, reap_requeues_then_dead_letters)
 	ro_queue_free(q);
 }
 
+Test(queue, a_unit_that_failed_a_lease_is_claimed_alone)
+{
+	struct ro_queue *q = open_q("w1");
+	struct ro_claim *c;
+	size_t n;
+	uint32_t req, dead;
+
+	enqueue(q, "s", 1);
+	cr_assert_eq(ro_queue_claim(q, 1, 50, &c, &n), 1);
+	ro_claims_free(c, n);
+	enqueue(q, "f1", 1);
+	enqueue(q, "f2", 1);
+	msleep(120);
+	cr_assert_eq(ro_queue_reap(q, &req, &dead), 0);
+	cr_assert_eq(req, 1);
+	cr_assert_eq(ro_queue_claim(q, 8, 10000, &c, &n), 1);
+	cr_assert_str_eq(c[0].id, "s");
+	cr_assert_eq(c[0].attempt, 2);
+	ro_claims_free(c, n);
+	cr_assert_eq(ro_queue_claim(q, 8, 10000, &c, &n), 2);
+	ro_claims_free(c, n);
+	/* behind fresh units, a suspect ends the batch and waits for the next claim */
+	enqueue(q, "f3", 1);
+	cr_assert_eq(ro_test_int(R, "RPUSH ro:{%s}:pending s", Q), 2);
+	freeReplyObject(redisCommand(R, "HSET ro:{%s}:unit:s state pending", Q));
+	cr_assert_eq(ro_queue_claim(q, 8, 10000, &c, &n), 1);
+	cr_assert_str_eq(c[0].id, "f3");
+	ro_claims_free(c, n);
+	cr_assert_eq(ro_test_int(R, "LLEN ro:{%s}:pending", Q), 1);
+	ro_queue_free(q);
+}
+
 Test(queue, dead_letter_retry_and_purge)
 {
 	struct ro_queue *q = open_q("w1");
