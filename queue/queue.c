@@ -1251,7 +1251,7 @@ int ro_queue_read_samples(struct ro_queue *q, char cursor[48], uint32_t count, u
 		if (block_ms + 500 > q->o.timeout_ms)
 			block_ms = q->o.timeout_ms > 600 ? q->o.timeout_ms - 500 : 100;
 		(void)snprintf(blk, sizeof(blk), "%u", block_ms);
-		r = cmd(q, &rep, 7,
+		r = cmd(q, &rep, 8,
 			(const char *[]){"XREAD", "COUNT", cnt, "BLOCK", blk, "STREAMS", key, cursor});
 		if (r)
 			return r;

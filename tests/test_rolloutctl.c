@@ -1,2 +1,286 @@
+/* rolloutctl as a user runs it: the real binary against the binary's redis-server, its
+ * output, its exit codes (0 ok, 1 failure, 2 usage), and that a refused file writes
+ * nothing. */
 #include <criterion/criterion.h>
-Test(todo, rolloutctl) { cr_assert(0, "not written"); }
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "tests/redis_hooks.h"
+
+static redisContext *R;
+static char Q[96];
+static char dir[64];
+
+static void setup(void)
+{
+	R = ro_test_redis_connect(ro_test_redis_url());
+	cr_assert(R && !R->err);
+	ro_test_name("ctl", Q, sizeof(Q));
+	(void)snprintf(dir, sizeof(dir), "/tmp/ro-ctl-XXXXXX");
+	cr_assert_not_null(mkdtemp(dir));
+}
+
+static void teardown(void)
+{
+	char cmd[128];
+
+	redisFree(R);
+	(void)snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+	(void)system(cmd);
+}
+
+TestSuite(ctl, .init = setup, .fini = teardown, .timeout = 60);
+
+struct run {
+	int status;
+	char out[65536];
+	char err[65536];
+};
+
+static void slurp(int fd, char *buf, size_t cap)
+{
+	size_t off = 0;
+	ssize_t n;
+
+	while (off + 1 < cap && (n = read(fd, buf + off, cap - 1 - off)) > 0)
+		off += (size_t)n;
+	buf[off] = '\0';
+}
+
+/* rolloutctl ARGS... with --redis and --queue from the fixture, stdin from file (or none) */
+static struct run *ctl(const char *stdin_file, ...)
+{
+	static struct run r;
+	const char *argv[32] = {getenv("RO_ROLLOUTCTL"), "--redis", ro_test_redis_url(), "--queue", Q};
+	int argc = 5, out[2], err[2];
+	va_list ap;
+	pid_t pid;
+	char of[128], ef[128];
+
+	cr_assert_not_null(argv[0], "RO_ROLLOUTCTL not set");
+	va_start(ap, stdin_file);
+	for (const char *a; (a = va_arg(ap, const char *));)
+		argv[argc++] = a;
+	va_end(ap);
+	(void)snprintf(of, sizeof(of), "%s/out", dir);
+	(void)snprintf(ef, sizeof(ef), "%s/err", dir);
+	pid = fork();
+	if (pid == 0) {
+		int in = open(stdin_file ? stdin_file : "/dev/null", O_RDONLY);
+		int o = open(of, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+		int e = open(ef, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+
+		(void)dup2(in, 0);
+		(void)dup2(o, 1);
+		(void)dup2(e, 2);
+		execv(argv[0], (char *const *)argv);
+		_exit(127);
+	}
+	cr_assert_eq(waitpid(pid, &r.status, 0), pid);
+	r.status = WIFEXITED(r.status) ? WEXITSTATUS(r.status) : 128 + WTERMSIG(r.status);
+	out[0] = open(of, O_RDONLY);
+	err[0] = open(ef, O_RDONLY);
+	slurp(out[0], r.out, sizeof(r.out));
+	slurp(err[0], r.err, sizeof(r.err));
+	(void)close(out[0]);
+	(void)close(err[0]);
+	(void)err;
+	(void)out;
+	return &r;
+}
+
+static const char *write_file(const char *name, const char *text)
+{
+	static char paths[4][128];
+	static int turn;
+	char *path = paths[turn++ % 4];
+	FILE *f;
+
+	(void)snprintf(path, 128, "%s/%s", dir, name);
+	f = fopen(path, "w");
+	cr_assert_not_null(f);
+	(void)fputs(text, f);
+	(void)fclose(f);
+	return path;
+}
+
+#define UNIT(id) "{\"id\":\"" id "\",\"prompt\":[1,2],\"n\":2,\"max_new_tokens\":4}\n"
+
+Test(ctl, enqueue_and_status)
+{
+	const char *f = write_file("units.jsonl", UNIT("a") "\n" UNIT("b") UNIT("c"));
+	struct run *r = ctl(NULL, "enqueue", f, NULL);
+
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_assert(strstr(r->out, "queued 3, already queued 0"), "%s", r->out);
+	r = ctl(NULL, "enqueue", f, NULL);
+	cr_assert_eq(r->status, 0);
+	cr_assert(strstr(r->out, "queued 0, already queued 3"), "%s", r->out);
+	r = ctl(NULL, "status", "--json", NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_assert(strstr(r->out, "\"pending\":3,"), "%s", r->out);
+	cr_assert(strstr(r->out, "\"dead\":0,"), "%s", r->out);
+	r = ctl(NULL, "status", NULL);
+	cr_assert_eq(r->status, 0);
+	cr_assert(strstr(r->out, "pending  3\n"), "%s", r->out);
+}
+
+Test(ctl, enqueue_from_stdin)
+{
+	const char *f = write_file("in.jsonl", UNIT("s1") UNIT("s2"));
+	struct run *r = ctl(f, "enqueue", "-", NULL);
+
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_assert_eq(ro_test_int(R, "LLEN ro:{%s}:pending", Q), 2);
+}
+
+Test(ctl, bad_lines_are_reported_by_number_and_nothing_is_written)
+{
+	const char *f = write_file("bad.jsonl",
+				   UNIT("ok1") "{\"id\":\"x y\",\"prompt\":[1],\"n\":1,\"max_new_tokens\":1}\n"
+					       UNIT("ok2") "{\"id\":\"z\",\"prompt\":[1],\"n\":0,\"max_new_tokens\":1}\n"
+							   "{broken\n");
+	struct run *r = ctl(NULL, "enqueue", f, NULL);
+
+	cr_assert_eq(r->status, 1);
+	cr_assert(strstr(r->err, "bad.jsonl:2: id \"x y\" must be 1-128 characters"), "%s", r->err);
+	cr_assert(strstr(r->err, "bad.jsonl:4: n must be at least 1"), "%s", r->err);
+	cr_assert(strstr(r->err, "bad.jsonl:5: not valid JSON"), "%s", r->err);
+	cr_assert(strstr(r->err, "3 bad lines"), "%s", r->err);
+	cr_assert_eq(ro_test_int(R, "EXISTS ro:{%s}:pending", Q), 0);
+	cr_assert_eq(ro_test_int(R, "EXISTS ro:{%s}:unit:ok1", Q), 0);
+}
+
+Test(ctl, ten_megabyte_line_is_refused)
+{
+	char path[128];
+	FILE *f;
+	struct run *r;
+
+	(void)snprintf(path, sizeof(path), "%s/huge.jsonl", dir);
+	f = fopen(path, "w");
+	(void)fputs("{\"id\":\"big\",\"n\":1,\"max_new_tokens\":1,\"prompt\":[1", f);
+	for (int i = 0; i < (10 << 20) / 2; i++)
+		(void)fputs(",1", f);
+	(void)fputs("]}\n", f);
+	(void)fclose(f);
+	r = ctl(NULL, "enqueue", path, NULL);
+	cr_assert_eq(r->status, 1);
+	cr_assert(strstr(r->err, "huge.jsonl:1: unit is 10485") &&
+			  strstr(r->err, "above the bound 1048576"),
+		  "%s", r->err);
+	cr_assert_eq(ro_test_int(R, "EXISTS ro:{%s}:unit:big", Q), 0);
+}
+
+Test(ctl, conflicting_body_fails)
+{
+	const char *a = write_file("a.jsonl", UNIT("dup"));
+	const char *b = write_file("b.jsonl", "{\"id\":\"dup\",\"prompt\":[9],\"n\":1,\"max_new_tokens\":1}\n");
+	struct run *r = ctl(NULL, "enqueue", a, NULL);
+
+	cr_assert_eq(r->status, 0);
+	r = ctl(NULL, "enqueue", b, NULL);
+	cr_assert_eq(r->status, 1);
+	cr_assert(strstr(r->err, "b.jsonl:1: id dup exists with a different body"), "%s", r->err);
+}
+
+Test(ctl, usage_errors_exit_2)
+{
+	cr_assert_eq(ctl(NULL, NULL)->status, 2);
+	cr_assert_eq(ctl(NULL, "frobnicate", NULL)->status, 2);
+	cr_assert_eq(ctl(NULL, "enqueue", NULL)->status, 2);
+	cr_assert_eq(ctl(NULL, "dead", "explode", NULL)->status, 2);
+	cr_assert_eq(ctl(NULL, "dead", "retry", NULL)->status, 2);
+	cr_assert_eq(ctl(NULL, "samples", "--count", "-3", NULL)->status, 2);
+	cr_assert_eq(ctl(NULL, "--bogus", "status", NULL)->status, 2);
+	cr_assert_eq(ctl(NULL, "--help", NULL)->status, 0);
+}
+
+Test(ctl, failures_exit_1)
+{
+	const char *argv0 = getenv("RO_ROLLOUTCTL");
+	char cmd[512];
+	int st;
+
+	cr_assert_eq(ctl(NULL, "enqueue", "/nonexistent/file", NULL)->status, 1);
+	cr_assert_eq(ctl(NULL, "dead", "retry", "nosuch", NULL)->status, 1);
+	/* a Redis that is not there: a clear message and 1, quickly */
+	(void)snprintf(cmd, sizeof(cmd), "%s --redis redis://127.0.0.1:1/0 status 2>/dev/null", argv0);
+	st = system(cmd);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 1, "status %d", st);
+	(void)snprintf(cmd, sizeof(cmd), "%s --redis ftp://x status 2>/dev/null", argv0);
+	st = system(cmd);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 1);
+}
+
+Test(ctl, env_selects_redis_and_queue)
+{
+	char cmd[1024];
+	const char *f = write_file("e.jsonl", UNIT("e1"));
+	int st;
+
+	(void)snprintf(cmd, sizeof(cmd),
+		       "ROLLOUTD_REDIS=unix://%s ROLLOUTD_QUEUE=%s-env %s enqueue %s >/dev/null",
+		       getenv("RO_TEST_REDIS_SOCK"), Q, getenv("RO_ROLLOUTCTL"), f);
+	st = system(cmd);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+	cr_assert_eq(ro_test_int(R, "LLEN ro:{%s-env}:pending", Q), 1);
+}
+
+Test(ctl, reap_dead_list_retry_purge_samples)
+{
+	struct ro_queue *q = ro_test_queue(ro_test_redis_url(), Q, "w1", 1);
+	struct ro_claim *c;
+	size_t n;
+	struct run *r;
+	char dead_id[32];
+
+	ro_test_enqueue(q, "d", 0, 2, 1, false);
+	cr_assert_eq(ro_queue_claim(q, 2, 50, &c, &n), 2);
+	ro_claims_free(c, n);
+	usleep(150000);
+	/* max attempts 1 in this client; rolloutctl's default is 3, so reap requeues */
+	r = ctl(NULL, "reap", "--json", NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_assert_str_eq(r->out, "{\"requeued\":2,\"dead\":0}\n");
+	cr_assert_eq(ro_queue_claim(q, 1, 10000, &c, &n), 1);
+	(void)snprintf(dead_id, sizeof(dead_id), "%s", c[0].id);
+	cr_assert_eq(ro_queue_dead_letter(q, c, "too long for the model"), 0);
+	ro_claims_free(c, n);
+	r = ctl(NULL, "dead", "list", NULL);
+	cr_assert_eq(r->status, 0);
+	cr_assert(strstr(r->out, "attempt 2  too long for the model"), "%s", r->out);
+	r = ctl(NULL, "dead", "list", "--json", NULL);
+	cr_assert(strstr(r->out, "\"history\":[{"), "%s", r->out);
+	r = ctl(NULL, "dead", "retry", dead_id, NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_assert_eq(ro_test_int(R, "LLEN ro:{%s}:dead", Q), 0);
+	/* complete both, then read them back */
+	cr_assert_eq(ro_test_worker_run(ro_test_redis_url(), Q, "w2", 2, 20, 10000, false), 2);
+	r = ctl(NULL, "samples", "--count", "1", NULL);
+	cr_assert_eq(r->status, 0);
+	cr_assert(strstr(r->out, "\"unit\":\"d-"), "%s", r->out);
+	cr_assert(strstr(r->out, "\"tokens\":[0,"), "%s", r->out);
+	cr_assert_eq(strchr(r->out, '\n') - r->out + 1, (long)strlen(r->out), "more than one line");
+	r = ctl(NULL, "samples", NULL);
+	cr_assert_eq(r->status, 0);
+	{
+		int lines = 0;
+
+		for (const char *p = r->out; *p; p++)
+			lines += *p == '\n';
+		cr_assert_eq(lines, 2);
+	}
+	r = ctl(NULL, "samples", "--follow", "--count", "2", NULL);
+	cr_assert_eq(r->status, 0);
+	r = ctl(NULL, "dead", "purge", NULL);
+	cr_assert_eq(r->status, 0);
+	cr_assert(strstr(r->out, "purged 0"), "%s", r->out);
+	ro_queue_free(q);
+}
