@@ -522,6 +522,7 @@ static void claim_clear(struct ro_claim *c)
 {
 	free(c->id);
 	free(c->body);
+	free(c->meta);
 	free(c->published_idx);
 	for (uint32_t i = 0; i < c->n_published; i++)
 		free(c->published_ids[i]);
@@ -544,7 +545,7 @@ static int parse_claim(const redisReply *u, struct ro_claim *c)
 {
 	const redisReply *pub, *prog;
 
-	if (u->type != REDIS_REPLY_ARRAY || u->elements != 7 || !is_str(u->element[0]) ||
+	if (u->type != REDIS_REPLY_ARRAY || u->elements != 8 || !is_str(u->element[0]) ||
 	    !is_str(u->element[1]) || u->element[2]->type != REDIS_REPLY_INTEGER ||
 	    !is_str(u->element[3]) || u->element[4]->type != REDIS_REPLY_INTEGER)
 		return -EPROTO;
@@ -554,13 +555,14 @@ static int parse_claim(const redisReply *u, struct ro_claim *c)
 		return -EPROTO;
 	c->id = strdup(u->element[0]->str);
 	c->body = strdup(u->element[1]->str);
+	c->meta = strdup(is_str(u->element[7]) ? u->element[7]->str : "");
 	c->attempt = (uint32_t)u->element[2]->integer;
 	(void)snprintf(c->token, sizeof(c->token), "%s", u->element[3]->str);
 	c->n = (uint32_t)u->element[4]->integer;
 	c->published_idx = calloc(pub->elements / 2 + 1, sizeof(*c->published_idx));
 	c->published_ids = calloc(pub->elements / 2 + 1, sizeof(*c->published_ids));
 	c->progress = calloc(prog->elements / 2 + 1, sizeof(*c->progress));
-	if (!c->id || !c->body || !c->published_idx || !c->published_ids || !c->progress)
+	if (!c->id || !c->body || !c->meta || !c->published_idx || !c->published_ids || !c->progress)
 		return -ENOMEM;
 	for (size_t i = 0; i + 1 < pub->elements; i += 2) {
 		char *s = strdup(pub->element[i + 1]->str ? pub->element[i + 1]->str : "");
@@ -728,9 +730,18 @@ int ro_queue_publish(struct ro_queue *q, const struct ro_claim *c, const struct 
 	args_str(&a, complete ? "1" : "0");
 	for (size_t i = 0; i < count; i++) {
 		const struct ro_sample *x = &s[i];
+		bool meta = c->meta && c->meta[0];
 
 		args_fmt(&a, "%u", x->idx);
-		args_str(&a, "6");
+		args_str(&a, meta ? "11" : "10");
+		args_str(&a, "unit");
+		args_str(&a, c->id);
+		args_str(&a, "idx");
+		args_fmt(&a, "%u", x->idx);
+		args_str(&a, "worker");
+		args_str(&a, q->worker);
+		args_str(&a, "attempt");
+		args_fmt(&a, "%u", c->attempt);
 		args_str(&a, "tokens");
 		args_take(&a, ro_json_ints(x->tokens, x->len));
 		args_str(&a, "logprobs");
@@ -743,6 +754,10 @@ int ro_queue_publish(struct ro_queue *q, const struct ro_claim *c, const struct 
 		args_fmt(&a, "%u", x->resumed_from);
 		args_str(&a, "gen_ms");
 		args_fmt(&a, "%llu", (unsigned long long)x->gen_ms);
+		if (meta) {
+			args_str(&a, "meta");
+			args_str(&a, c->meta);
+		}
 	}
 	r = call(q, &a, &rep);
 	args_clear(&a);

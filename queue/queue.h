@@ -83,6 +83,7 @@ struct ro_claim {
 	char **published_ids;    /* their stream entry ids */
 	uint32_t n_progress;
 	struct ro_progress *progress;
+	char *meta; /* the unit's meta JSON ("" when none), copied into each sample */
 };
 
 struct ro_sample {

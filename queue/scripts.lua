@@ -10,7 +10,6 @@
 -- lost reply: a retry either finds its own earlier effect and reports it, or is refused.
 
 local VERSION = '@RO_SCRIPTS_VERSION@'
-local HIST_MAX = 20
 local MARKER_MAX = 64
 
 local function now_ms()
@@ -22,19 +21,30 @@ local function err(code, msg)
 	return redis.error_reply(code .. ' ' .. msg)
 end
 
--- history: a short JSON array on the unit hash, newest last, for dead-letter forensics
-local function hist(ukey, now, ev, worker, attempt, extra)
-	local raw = redis.call('HGET', ukey, 'hist')
-	local h = {}
-	if raw then
-		local ok, v = pcall(cjson.decode, raw)
-		if ok and type(v) == 'table' then h = v end
+-- history: JSON objects joined by commas on the unit hash (the dead list wraps them in
+-- [ ]), newest last, cut to the last ~3 KB. Built by concatenation: this runs on every
+-- claim, and decoding and re-encoding an array there would cost more than the claim.
+local HIST_BYTES = 3072
+
+local function hist_entry(now, ev, worker, attempt, why)
+	local e = '{"t":' .. now .. ',"ev":"' .. ev .. '","w":"' .. (worker or '') .. '","a":' ..
+		(tonumber(attempt) or 0)
+	if why then e = e .. ',"why":' .. cjson.encode(why) end
+	return e .. '}'
+end
+
+local function hist_append(old, entry)
+	local h = (old and old ~= '') and (old .. ',' .. entry) or entry
+	if #h > HIST_BYTES then
+		local cut = string.find(h, ',{"t":', #h - HIST_BYTES, true)
+		if cut then h = string.sub(h, cut + 1) end
 	end
-	local e = {t = now, ev = ev, w = worker or '', a = tonumber(attempt) or 0}
-	if extra then e.why = extra end
-	h[#h + 1] = e
-	while #h > HIST_MAX do table.remove(h, 1) end
-	redis.call('HSET', ukey, 'hist', cjson.encode(h))
+	return h
+end
+
+local function hist(ukey, now, ev, worker, attempt, why)
+	local h = hist_append(redis.call('HGET', ukey, 'hist'), hist_entry(now, ev, worker, attempt, why))
+	redis.call('HSET', ukey, 'hist', h)
 end
 
 -- wake idle workers blocked on the marker list (scripts cannot block, workers can)
@@ -45,24 +55,23 @@ end
 
 -- The fencing rule: a write is accepted only from the holder of the current lease token,
 -- and only while that lease has not expired by the server's clock. A worker whose lease
--- ran out is refused even before a reaper has run.
+-- ran out is refused even before a reaper has run. f holds the unit's state, token and
+-- exp fields (the lease expiry is kept on the hash as well as in the leases set, so the
+-- check costs the one HMGET that also fetches what the caller needs).
+local function holds(f, token, now)
+	return f[1] == 'leased' and f[2] == token and (tonumber(f[3]) or 0) >= now
+end
+
 local function lease_ok(P, ukey, id, token, now)
-	local st = redis.call('HMGET', ukey, 'state', 'token')
-	if st[1] ~= 'leased' or st[2] ~= token then return false end
-	local exp = redis.call('ZSCORE', P .. 'leases', id)
-	if not exp or tonumber(exp) < now then return false end
-	return true
+	return holds(redis.call('HMGET', ukey, 'state', 'token', 'exp'), token, now)
 end
 
 local function stale(id)
 	return err('STALE', 'lease on ' .. id .. ' is not held by this token')
 end
 
--- the reply a claim gives for one unit: id, body, attempt, token, n, published, progress
-local function unit_reply(ukey, id)
-	local all = redis.call('HGETALL', ukey)
-	local f = {}
-	local pub, prog = {}, {}
+local function hash_fields(all)
+	local f, pub, prog = {}, {}, {}
 	for i = 1, #all, 2 do
 		local k, v = all[i], all[i + 1]
 		local c = string.sub(k, 1, 2)
@@ -76,7 +85,18 @@ local function unit_reply(ukey, id)
 			f[k] = v
 		end
 	end
-	return {id, f.body or '', tonumber(f.attempt) or 1, f.token or '0', tonumber(f.n) or 0, pub, prog}
+	return f, pub, prog
+end
+
+-- the reply a claim gives for one unit: id, body, attempt, token, n, published, progress,
+-- meta (copied by the holder into each of its samples)
+local function reply_of(id, f, pub, prog)
+	return {id, f.body or '', tonumber(f.attempt) or 1, f.token or '0', tonumber(f.n) or 0, pub,
+		prog, f.meta or ''}
+end
+
+local function unit_reply(ukey, id)
+	return reply_of(id, hash_fields(redis.call('HGETALL', ukey)))
 end
 
 -- expired leases back to the head of pending (attempt + 1), or to dead past the limit
@@ -150,11 +170,11 @@ local function claim(keys, args)
 	local P = keys[1]
 	local worker, k, lease = args[1], tonumber(args[2]), tonumber(args[3])
 	local reqid, max_attempts, wttl = args[4], tonumber(args[5]), tonumber(args[6])
-	if not k or k < 1 or not lease or lease < 1 or not max_attempts then
-		return err('BADARG', 'claim: k, lease_ms and max_attempts must be positive')
+	if not k or k < 1 or not lease or lease < 1 or not max_attempts or not wttl then
+		return err('BADARG', 'claim: k, lease_ms, max_attempts and ttl must be positive')
 	end
 	local now = now_ms()
-	local wkey = touch_worker(P, worker, now, wttl)
+	local wkey = P .. 'worker:' .. worker
 	local out = {}
 	local last = redis.call('HMGET', wkey, 'claim_req', 'claim_ids')
 	if last[1] == reqid then
@@ -174,25 +194,36 @@ local function claim(keys, args)
 		if not id then break end
 		pops = pops + 1
 		local ukey = P .. 'unit:' .. id
-		local st = redis.call('HMGET', ukey, 'state', 'attempt')
+		-- a fresh unit is one HMGET; only a unit with published samples or checkpoints
+		-- (a resumed one) needs the whole hash scanned
+		local v = redis.call('HMGET', ukey, 'state', 'attempt', 'token', 'body', 'n', 'hist',
+			'npub', 'ckpt', 'meta')
+		local f, pub, prog = {state = v[1], attempt = v[2], token = v[3], body = v[4], n = v[5],
+			hist = v[6], meta = v[9]}, {}, {}
+		if v[1] == 'pending' and ((tonumber(v[7]) or 0) > 0 or v[8]) then
+			f, pub, prog = hash_fields(redis.call('HGETALL', ukey))
+		end
 		-- A unit whose lease already expired once may be what kills its workers: it is
 		-- claimed alone, so a poison unit takes no batch of healthy units down with it.
-		local suspect = (tonumber(st[2]) or 1) > 1
-		if st[1] == 'pending' and suspect and #ids > 0 then
+		local suspect = (tonumber(f.attempt) or 1) > 1
+		if f.state == 'pending' and suspect and #ids > 0 then
 			redis.call('LPUSH', P .. 'pending', id)
 			break
 		end
-		if st[1] == 'pending' then
-			local token = redis.call('HINCRBY', ukey, 'token', 1)
-			redis.call('HSET', ukey, 'state', 'leased', 'owner', worker, 'claimed_ms', now)
+		if f.state == 'pending' then
+			f.token = tostring((tonumber(f.token) or 0) + 1)
+			redis.call('HSET', ukey, 'state', 'leased', 'owner', worker, 'claimed_ms', now,
+				'token', f.token, 'exp', now + lease,
+				'hist', hist_append(f.hist, hist_entry(now, 'claim', worker, f.attempt)))
 			redis.call('ZADD', P .. 'leases', now + lease, id)
-			hist(ukey, now, 'claim', worker, redis.call('HGET', ukey, 'attempt'))
 			ids[#ids + 1] = id
-			out[#out + 1] = unit_reply(ukey, id)
+			out[#out + 1] = reply_of(id, f, pub, prog)
 			if suspect then break end
 		end
 	end
-	redis.call('HSET', wkey, 'claim_req', reqid, 'claim_ids', table.concat(ids, ','))
+	redis.call('HSET', wkey, 'claim_req', reqid, 'claim_ids', table.concat(ids, ','),
+		'last_seen_ms', now)
+	redis.call('PEXPIRE', wkey, wttl)
 	return out
 end
 
@@ -208,6 +239,7 @@ local function renew(keys, args)
 		local ukey = P .. 'unit:' .. id
 		if lease_ok(P, ukey, id, token, now) then
 			redis.call('ZADD', P .. 'leases', now + lease, id)
+			redis.call('HSET', ukey, 'exp', now + lease)
 			out[#out + 1] = 1
 		else
 			out[#out + 1] = 0
@@ -221,7 +253,7 @@ local function write_progress(ukey, args, from)
 	for i = from, #args, 2 do
 		local idx, data = args[i], args[i + 1]
 		if redis.call('HEXISTS', ukey, 's:' .. idx) == 0 then
-			redis.call('HSET', ukey, 'p:' .. idx, data)
+			redis.call('HSET', ukey, 'p:' .. idx, data, 'ckpt', 1)
 			n = n + 1
 		end
 	end
@@ -237,22 +269,22 @@ local function checkpoint(keys, args)
 	return write_progress(ukey, args, 3)
 end
 
-local function do_complete(P, ukey, id, now)
-	local f = redis.call('HMGET', ukey, 'n', 'owner', 'attempt', 'token')
-	local n = tonumber(f[1])
-	local sids = {}
-	for i = 0, n - 1 do
-		sids[#sids + 1] = redis.call('HGET', ukey, 's:' .. i)
-	end
+-- u: the unit's n, owner, attempt, token (fields 4..7 of the HMGET that checked the lease)
+local function do_complete(P, ukey, id, now, n, owner, attempt, token)
+	local f = {}
+	for i = 0, n - 1 do f[#f + 1] = 's:' .. i end
+	local sids = redis.call('HMGET', ukey, unpack(f))
 	local gid = redis.call('XADD', P .. 'groups', '*', 'unit', id, 'n', n,
-		'samples', table.concat(sids, ','), 'worker', f[2], 'attempt', f[3])
-	redis.call('HSET', ukey, 'state', 'done', 'group', gid, 'done_ms', now, 'done_token', f[4])
+		'samples', table.concat(sids, ','), 'worker', owner, 'attempt', attempt)
+	redis.call('HSET', ukey, 'state', 'done', 'group', gid, 'done_ms', now, 'done_token', token)
 	redis.call('ZREM', P .. 'leases', id)
 	redis.call('HINCRBY', P .. 'stats', 'done', 1)
 	return gid
 end
 
--- ARGV: id, token, autocomplete, then per sample: idx, nfields, field, value, ...
+-- ARGV: id, token, autocomplete, then per sample: idx, nfields, field, value, ... where
+-- the fields are the whole stream entry (unit, idx, worker, attempt, ..., meta) as the
+-- holder of the lease writes it: the token check is what makes the holder trusted.
 -- Reply: {group entry id or '', then (entry id, dup) per sample}. A second publish of a
 -- sample returns its first entry id and writes nothing.
 local function publish(keys, args)
@@ -260,40 +292,46 @@ local function publish(keys, args)
 	local id, token, auto = args[1], args[2], args[3] == '1'
 	local ukey = P .. 'unit:' .. id
 	local now = now_ms()
-	if not lease_ok(P, ukey, id, token, now) then return stale(id) end
-	local u = redis.call('HMGET', ukey, 'n', 'owner', 'attempt', 'meta')
-	local n = tonumber(u[1])
-	local out = {''}
+	local u = redis.call('HMGET', ukey, 'state', 'token', 'exp', 'n', 'owner', 'attempt', 'npub')
+	if not holds(u, token, now) then return stale(id) end
+	local n, npub = tonumber(u[4]), tonumber(u[7]) or 0
+	local smp, look = {}, {}
 	local i = 4
 	while i <= #args do
-		local idx = tonumber(args[i])
-		local nf = tonumber(args[i + 1])
+		local idx, nf = tonumber(args[i]), tonumber(args[i + 1])
 		if not idx or idx < 0 or idx >= n or idx ~= math.floor(idx) or not nf then
 			return err('BADARG', 'sample index ' .. tostring(args[i]) .. ' out of range for n=' .. n)
 		end
-		local skey = 's:' .. idx
-		local have = redis.call('HGET', ukey, skey)
-		if have then
-			out[#out + 1] = have
+		smp[#smp + 1] = i
+		look[#look + 1] = 's:' .. idx
+		look[#look + 1] = 'p:' .. idx
+		i = i + 2 + 2 * nf
+	end
+	if #smp == 0 then return {''} end
+	local have = redis.call('HMGET', ukey, unpack(look))
+	local out, set, del, seen = {''}, {}, {}, {}
+	for j, a in ipairs(smp) do
+		local idx = args[a]
+		local eid = have[2 * j - 1] or seen[idx]
+		if eid then
+			out[#out + 1] = eid
 			out[#out + 1] = 1
 		else
-			local entry = {'unit', id, 'idx', idx, 'worker', u[2], 'attempt', u[3]}
-			for j = i + 2, i + 1 + 2 * nf do entry[#entry + 1] = args[j] end
-			if u[4] and u[4] ~= '' then
-				entry[#entry + 1] = 'meta'
-				entry[#entry + 1] = u[4]
-			end
-			local eid = redis.call('XADD', P .. 'samples', '*', unpack(entry))
-			redis.call('HSET', ukey, skey, eid)
-			redis.call('HDEL', ukey, 'p:' .. idx)
-			redis.call('HINCRBY', ukey, 'npub', 1)
+			eid = redis.call('XADD', P .. 'samples', '*',
+				unpack(args, a + 2, a + 1 + 2 * tonumber(args[a + 1])))
+			seen[idx] = eid
+			set[#set + 1] = look[2 * j - 1]
+			set[#set + 1] = eid
+			if have[2 * j] then del[#del + 1] = look[2 * j] end
+			npub = npub + 1
 			out[#out + 1] = eid
 			out[#out + 1] = 0
 		end
-		i = i + 2 + 2 * nf
 	end
-	if auto and tonumber(redis.call('HGET', ukey, 'npub')) >= n then
-		out[1] = do_complete(P, ukey, id, now)
+	if #set > 0 then redis.call('HSET', ukey, 'npub', npub, unpack(set)) end
+	if #del > 0 then redis.call('HDEL', ukey, unpack(del)) end
+	if auto and npub >= n then
+		out[1] = do_complete(P, ukey, id, now, n, u[5], u[6], token)
 	end
 	return out
 end
@@ -303,14 +341,15 @@ local function complete(keys, args)
 	local P = keys[1]
 	local id, token = args[1], args[2]
 	local ukey = P .. 'unit:' .. id
-	local st = redis.call('HMGET', ukey, 'state', 'done_token', 'group', 'npub', 'n')
-	if st[1] == 'done' and st[2] == token then return st[3] end
+	local u = redis.call('HMGET', ukey, 'state', 'token', 'exp', 'n', 'owner', 'attempt',
+		'npub', 'done_token', 'group')
+	if u[1] == 'done' and u[8] == token then return u[9] end
 	local now = now_ms()
-	if not lease_ok(P, ukey, id, token, now) then return stale(id) end
-	if tonumber(st[4]) < tonumber(st[5]) then
-		return err('INCOMPLETE', id .. ' has ' .. st[4] .. ' of ' .. st[5] .. ' samples')
+	if not holds(u, token, now) then return stale(id) end
+	if (tonumber(u[7]) or 0) < tonumber(u[4]) then
+		return err('INCOMPLETE', id .. ' has ' .. (u[7] or 0) .. ' of ' .. u[4] .. ' samples')
 	end
-	return do_complete(P, ukey, id, now)
+	return do_complete(P, ukey, id, now, tonumber(u[4]), u[5], u[6], token)
 end
 
 local function give_back(P, ukey, id, token, head, ev, args, from)
@@ -376,7 +415,7 @@ local function dead_list(keys, args)
 	local out = {}
 	for _, id in ipairs(ids) do
 		local f = redis.call('HMGET', P .. 'unit:' .. id, 'reason', 'attempt', 'hist')
-		out[#out + 1] = {id, f[1] or '', f[2] or '0', f[3] or '[]'}
+		out[#out + 1] = {id, f[1] or '', f[2] or '0', '[' .. (f[3] or '') .. ']'}
 	end
 	return out
 end
