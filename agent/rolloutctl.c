@@ -34,39 +34,39 @@ static void on_signal(int sig)
 static void usage(FILE *f)
 {
 	(void)fputs(
-		"usage: rolloutctl [--redis URL] [--queue NAME] [--json] COMMAND ...\n"
-		"\n"
-		"commands:\n"
-		"  enqueue FILE|-          add units from JSON lines; every bad line is reported by\n"
-		"                          number and nothing is written unless all lines are good\n"
-		"  status                  pending, leased, done, dead, samples, trainer lag, workers\n"
-		"  reap                    expired leases back to pending (or dead past the limit)\n"
-		"  dead list               dead-lettered units with their reason and history\n"
-		"  dead retry ID           a dead unit back to pending with a fresh attempt count\n"
-		"  dead purge              delete every dead unit\n"
-		"  samples [--follow] [--count N] [--from ID]\n"
-		"                          the samples stream as JSON lines\n"
-		"\n"
-		"options (anywhere on the line):\n"
-		"  --redis URL             redis://host:port/db or unix:///path (env ROLLOUTD_REDIS;\n"
-		"                          default redis://127.0.0.1:6379/0)\n"
-		"  --queue NAME            queue name (env ROLLOUTD_QUEUE; default \"default\")\n"
-		"  --prefix P              key prefix (env ROLLOUTD_PREFIX; default \"ro\")\n"
-		"  --json                  machine-readable output\n"
-		"  --max-prompt N --max-n N --max-new-tokens N --max-body BYTES\n"
-		"                          bounds a unit must respect to be enqueued\n",
-		f);
+	    "usage: rolloutctl [--redis URL] [--queue NAME] [--json] COMMAND ...\n"
+	    "\n"
+	    "commands:\n"
+	    "  enqueue FILE|-          add units from JSON lines; every bad line is reported by\n"
+	    "                          number and nothing is written unless all lines are good\n"
+	    "  status                  pending, leased, done, dead, samples, trainer lag, workers\n"
+	    "  reap                    expired leases back to pending (or dead past the limit)\n"
+	    "  dead list               dead-lettered units with their reason and history\n"
+	    "  dead retry ID           a dead unit back to pending with a fresh attempt count\n"
+	    "  dead purge              delete every dead unit\n"
+	    "  samples [--follow] [--count N] [--from ID]\n"
+	    "                          the samples stream as JSON lines\n"
+	    "\n"
+	    "options (anywhere on the line):\n"
+	    "  --redis URL             redis://host:port/db or unix:///path (env ROLLOUTD_REDIS;\n"
+	    "                          default redis://127.0.0.1:6379/0)\n"
+	    "  --queue NAME            queue name (env ROLLOUTD_QUEUE; default \"default\")\n"
+	    "  --prefix P              key prefix (env ROLLOUTD_PREFIX; default \"ro\")\n"
+	    "  --json                  machine-readable output\n"
+	    "  --max-prompt N --max-n N --max-new-tokens N --max-body BYTES\n"
+	    "                          bounds a unit must respect to be enqueued\n",
+	    f);
 }
 
 static int open_queue(const struct ctl *c, struct ro_queue **ret)
 {
 	struct ro_queue_opts o = {
-		.url = c->redis,
-		.queue = c->queue,
-		.prefix = c->prefix,
-		.worker = "rolloutctl",
-		.retry_ms = 3000,
-		.bounds = c->bounds,
+	    .url = c->redis,
+	    .queue = c->queue,
+	    .prefix = c->prefix,
+	    .worker = "rolloutctl",
+	    .retry_ms = 3000,
+	    .bounds = c->bounds,
 	};
 
 	int r = ro_queue_new(&o, ret);
@@ -174,8 +174,8 @@ static int cmd_enqueue(const struct ctl *c, int argc, char **argv)
 		}
 	}
 	if (c->json)
-		(void)printf("{\"queued\":%zu,\"already_queued\":%zu,\"conflicts\":%zu}\n", queued, dup,
-			     conflict);
+		(void)printf("{\"queued\":%zu,\"already_queued\":%zu,\"conflicts\":%zu}\n", queued,
+			     dup, conflict);
 	else
 		(void)printf("queued %zu, already queued %zu, conflicts %zu\n", queued, dup,
 			     conflict);
@@ -225,7 +225,8 @@ static int cmd_status(const struct ctl *c)
 			if (!e)
 				e = json_object_new_object();
 			json_object_object_add(e, "id", json_object_new_string(s.workers[i].id));
-			json_object_object_add(e, "age_ms", json_object_new_int64(s.workers[i].age_ms));
+			json_object_object_add(e, "age_ms",
+					       json_object_new_int64(s.workers[i].age_ms));
 			json_object_array_add(w, e);
 		}
 		json_object_object_add(o, "workers", w);
@@ -296,7 +297,8 @@ static int cmd_dead(const struct ctl *c, int argc, char **argv)
 					struct json_object *o = json_object_new_object(),
 							   *h = json_tokener_parse(d[i].history);
 
-					json_object_object_add(o, "id", json_object_new_string(d[i].id));
+					json_object_object_add(o, "id",
+							       json_object_new_string(d[i].id));
 					json_object_object_add(o, "attempt",
 							       json_object_new_int(d[i].attempt));
 					json_object_object_add(o, "reason",
@@ -304,11 +306,11 @@ static int cmd_dead(const struct ctl *c, int argc, char **argv)
 					json_object_object_add(o, "history",
 							       h ? h : json_object_new_array());
 					(void)printf("%s\n", json_object_to_json_string_ext(
-								     o, JSON_C_TO_STRING_PLAIN));
+								 o, JSON_C_TO_STRING_PLAIN));
 					json_object_put(o);
 				} else {
-					(void)printf("%-40s attempt %u  %s\n", d[i].id, d[i].attempt,
-						     d[i].reason);
+					(void)printf("%-40s attempt %u  %s\n", d[i].id,
+						     d[i].attempt, d[i].reason);
 				}
 			}
 			ro_dead_free(d, n);
@@ -381,27 +383,38 @@ static bool parse_u32(const char *s, uint32_t *ret)
 
 int main(int argc, char **argv)
 {
-	enum { O_REDIS = 256, O_QUEUE, O_PREFIX, O_JSON, O_FOLLOW, O_COUNT, O_FROM, O_MAXP,
-	       O_MAXN, O_MAXT, O_MAXB };
+	enum {
+		O_REDIS = 256,
+		O_QUEUE,
+		O_PREFIX,
+		O_JSON,
+		O_FOLLOW,
+		O_COUNT,
+		O_FROM,
+		O_MAXP,
+		O_MAXN,
+		O_MAXT,
+		O_MAXB
+	};
 	static const struct option opts[] = {
-		{"redis", required_argument, NULL, O_REDIS},
-		{"queue", required_argument, NULL, O_QUEUE},
-		{"prefix", required_argument, NULL, O_PREFIX},
-		{"json", no_argument, NULL, O_JSON},
-		{"follow", no_argument, NULL, O_FOLLOW},
-		{"count", required_argument, NULL, O_COUNT},
-		{"from", required_argument, NULL, O_FROM},
-		{"max-prompt", required_argument, NULL, O_MAXP},
-		{"max-n", required_argument, NULL, O_MAXN},
-		{"max-new-tokens", required_argument, NULL, O_MAXT},
-		{"max-body", required_argument, NULL, O_MAXB},
-		{"help", no_argument, NULL, 'h'},
-		{0},
+	    {"redis", required_argument, NULL, O_REDIS},
+	    {"queue", required_argument, NULL, O_QUEUE},
+	    {"prefix", required_argument, NULL, O_PREFIX},
+	    {"json", no_argument, NULL, O_JSON},
+	    {"follow", no_argument, NULL, O_FOLLOW},
+	    {"count", required_argument, NULL, O_COUNT},
+	    {"from", required_argument, NULL, O_FROM},
+	    {"max-prompt", required_argument, NULL, O_MAXP},
+	    {"max-n", required_argument, NULL, O_MAXN},
+	    {"max-new-tokens", required_argument, NULL, O_MAXT},
+	    {"max-body", required_argument, NULL, O_MAXB},
+	    {"help", no_argument, NULL, 'h'},
+	    {0},
 	};
 	struct ctl c = {
-		.redis = getenv("ROLLOUTD_REDIS"),
-		.queue = getenv("ROLLOUTD_QUEUE"),
-		.prefix = getenv("ROLLOUTD_PREFIX"),
+	    .redis = getenv("ROLLOUTD_REDIS"),
+	    .queue = getenv("ROLLOUTD_QUEUE"),
+	    .prefix = getenv("ROLLOUTD_PREFIX"),
 	};
 	struct sigaction sa = {.sa_handler = on_signal};
 	int ch;
@@ -437,8 +450,10 @@ int main(int argc, char **argv)
 		case O_MAXT:
 		case O_MAXB:
 			if (!parse_u32(optarg, &v)) {
-				(void)fprintf(stderr, "rolloutctl: --%s wants a non-negative integer, got \"%s\"\n",
-					      opts[ch - O_REDIS].name, optarg);
+				(void)fprintf(
+				    stderr,
+				    "rolloutctl: --%s wants a non-negative integer, got \"%s\"\n",
+				    opts[ch - O_REDIS].name, optarg);
 				return EXIT_USAGE;
 			}
 			if (ch == O_COUNT)

@@ -198,8 +198,8 @@ static int parse_url(struct ro_queue *q, const char *url)
 		return 0;
 	}
 	if (strncmp(url, "redis://", 8))
-		return fail(q, -EINVAL, "bad redis url %s: want redis://host:port/db or unix:///path",
-			    url);
+		return fail(q, -EINVAL,
+			    "bad redis url %s: want redis://host:port/db or unix:///path", url);
 	p = url + 8;
 	{
 		const char *at = strchr(p, '@');
@@ -496,7 +496,8 @@ static int call(struct ro_queue *q, struct args *a, redisReply **ret)
 			return r;
 		if (mono_ms() - start + backoff > (int64_t)q->o.retry_ms)
 			return r == -EAGAIN ? -EIO : r;
-		/* full jitter in [backoff/2, backoff*3/2) keeps a fleet from reconnecting in step */
+		/* full jitter in [backoff/2, backoff*3/2) keeps a fleet from reconnecting in step
+		 */
 		sleep_ms(backoff / 2 + (int64_t)(rng_next(q) % (uint64_t)backoff));
 		if (backoff < 1000)
 			backoff *= 2;
@@ -562,22 +563,24 @@ static int parse_claim(const redisReply *u, struct ro_claim *c)
 	c->published_idx = calloc(pub->elements / 2 + 1, sizeof(*c->published_idx));
 	c->published_ids = calloc(pub->elements / 2 + 1, sizeof(*c->published_ids));
 	c->progress = calloc(prog->elements / 2 + 1, sizeof(*c->progress));
-	if (!c->id || !c->body || !c->meta || !c->published_idx || !c->published_ids || !c->progress)
+	if (!c->id || !c->body || !c->meta || !c->published_idx || !c->published_ids ||
+	    !c->progress)
 		return -ENOMEM;
 	for (size_t i = 0; i + 1 < pub->elements; i += 2) {
 		char *s = strdup(pub->element[i + 1]->str ? pub->element[i + 1]->str : "");
 
 		if (!s)
 			return -ENOMEM;
-		c->published_idx[c->n_published] = (uint32_t)strtoul(pub->element[i]->str, NULL, 10);
+		c->published_idx[c->n_published] =
+		    (uint32_t)strtoul(pub->element[i]->str, NULL, 10);
 		c->published_ids[c->n_published++] = s;
 	}
 	for (size_t i = 0; i + 1 < prog->elements; i += 2) {
 		uint32_t idx = (uint32_t)strtoul(prog->element[i]->str, NULL, 10);
 
 		/* an unreadable checkpoint only costs a restart of that sample */
-		if (ro_progress_decode(prog->element[i + 1]->str, idx, &c->progress[c->n_progress]) ==
-		    0)
+		if (ro_progress_decode(prog->element[i + 1]->str, idx,
+				       &c->progress[c->n_progress]) == 0)
 			c->n_progress++;
 	}
 	return 0;
@@ -611,8 +614,7 @@ static int parse_claims(struct ro_queue *q, redisReply *rep, struct ro_claim **r
 
 /* ---- operations ------------------------------------------------------------------- */
 
-int ro_queue_enqueue(struct ro_queue *q, const struct ro_unit *units, size_t count,
-		     int *ret_status)
+int ro_queue_enqueue(struct ro_queue *q, const struct ro_unit *units, size_t count, int *ret_status)
 {
 	/* batches keep one script short: a long one would stall every other client */
 	const size_t batch = 128;
@@ -1142,7 +1144,8 @@ static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
 	r = cmd(q, &t, 1, (const char *[]){"TIME"});
 	if (r)
 		return r;
-	now = strtoll(t->element[0]->str, NULL, 10) * 1000 + strtoll(t->element[1]->str, NULL, 10) / 1000;
+	now = strtoll(t->element[0]->str, NULL, 10) * 1000 +
+	      strtoll(t->element[1]->str, NULL, 10) / 1000;
 	freeReplyObject(t);
 	r = cmd(q, &rep, 5, argv);
 	if (r)
@@ -1171,12 +1174,13 @@ static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
 
 			if (!strncmp(k, "claim_", 6))
 				continue;
-			json_object_object_add(o, k, json_object_new_string(h->element[j + 1]->str));
+			json_object_object_add(o, k,
+					       json_object_new_string(h->element[j + 1]->str));
 		}
 		s->workers[s->n_workers].id = strdup(rep->element[i]->str);
 		s->workers[s->n_workers].age_ms = now - strtoll(rep->element[i + 1]->str, NULL, 10);
 		s->workers[s->n_workers].fields =
-			strdup(json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN));
+		    strdup(json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN));
 		s->n_workers++;
 		json_object_put(o);
 		freeReplyObject(h);
@@ -1191,16 +1195,17 @@ int ro_queue_stats(struct ro_queue *q, struct ro_queue_stats *s)
 	int r = 0;
 
 	memset(s, 0, sizeof(*s));
-	s->pending = cmd_int(q, &r, 2,
-			     (const char *[]){"LLEN", ro_queue_key(q, "pending", k[0], sizeof(k[0]))});
-	s->leased = cmd_int(q, &r, 2,
-			    (const char *[]){"ZCARD", ro_queue_key(q, "leases", k[1], sizeof(k[1]))});
-	s->done = cmd_int(q, &r, 3,
-			  (const char *[]){"HGET", ro_queue_key(q, "stats", k[2], sizeof(k[2])),
-					   "done"});
-	s->dead = cmd_int(q, &r, 2, (const char *[]){"LLEN", ro_queue_key(q, "dead", k[3], sizeof(k[3]))});
-	s->groups = cmd_int(q, &r, 2,
-			    (const char *[]){"XLEN", ro_queue_key(q, "groups", k[4], sizeof(k[4]))});
+	s->pending = cmd_int(
+	    q, &r, 2, (const char *[]){"LLEN", ro_queue_key(q, "pending", k[0], sizeof(k[0]))});
+	s->leased = cmd_int(
+	    q, &r, 2, (const char *[]){"ZCARD", ro_queue_key(q, "leases", k[1], sizeof(k[1]))});
+	s->done =
+	    cmd_int(q, &r, 3,
+		    (const char *[]){"HGET", ro_queue_key(q, "stats", k[2], sizeof(k[2])), "done"});
+	s->dead = cmd_int(q, &r, 2,
+			  (const char *[]){"LLEN", ro_queue_key(q, "dead", k[3], sizeof(k[3]))});
+	s->groups = cmd_int(
+	    q, &r, 2, (const char *[]){"XLEN", ro_queue_key(q, "groups", k[4], sizeof(k[4]))});
 	if (r)
 		return r;
 	r = ro_queue_backlog(q, NULL, &s->samples, &s->lag);
@@ -1266,8 +1271,9 @@ int ro_queue_read_samples(struct ro_queue *q, char cursor[48], uint32_t count, u
 		if (block_ms + 500 > q->o.timeout_ms)
 			block_ms = q->o.timeout_ms > 600 ? q->o.timeout_ms - 500 : 100;
 		(void)snprintf(blk, sizeof(blk), "%u", block_ms);
-		r = cmd(q, &rep, 8,
-			(const char *[]){"XREAD", "COUNT", cnt, "BLOCK", blk, "STREAMS", key, cursor});
+		r = cmd(
+		    q, &rep, 8,
+		    (const char *[]){"XREAD", "COUNT", cnt, "BLOCK", blk, "STREAMS", key, cursor});
 		if (r)
 			return r;
 		if (rep->type != REDIS_REPLY_ARRAY) { /* nil: nothing new in time */

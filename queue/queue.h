@@ -19,23 +19,23 @@
 struct ro_queue;
 
 struct ro_unit_bounds {
-	uint32_t max_prompt;     /* tokens in the prompt */
-	uint32_t max_n;          /* samples per unit */
+	uint32_t max_prompt;	 /* tokens in the prompt */
+	uint32_t max_n;		 /* samples per unit */
 	uint32_t max_new_tokens; /* generated tokens per sample */
-	uint32_t max_body;       /* bytes of the unit's JSON */
+	uint32_t max_body;	 /* bytes of the unit's JSON */
 };
 
 /* Defaults: prompt 32768 tokens, n 64, max_new_tokens 32768, body 1 MiB. */
 void ro_unit_bounds_default(struct ro_unit_bounds *b);
 
 struct ro_queue_opts {
-	const char *url;      /* redis://host:port/db, redis://:pass@host:port, unix:///path?db=N */
-	const char *queue;    /* queue name, the {q} of the key schema */
-	const char *prefix;   /* key prefix, default "ro" */
-	const char *worker;   /* this client's worker id (claimers only) */
-	uint32_t timeout_ms;  /* socket timeout per command, default 5000 */
-	uint32_t retry_ms;    /* total time one operation keeps reconnecting, default 10000 */
-	uint32_t max_attempts; /* failed leases before a unit is dead-lettered, default 3 */
+	const char *url;     /* redis://host:port/db, redis://:pass@host:port, unix:///path?db=N */
+	const char *queue;   /* queue name, the {q} of the key schema */
+	const char *prefix;  /* key prefix, default "ro" */
+	const char *worker;  /* this client's worker id (claimers only) */
+	uint32_t timeout_ms; /* socket timeout per command, default 5000 */
+	uint32_t retry_ms;   /* total time one operation keeps reconnecting, default 10000 */
+	uint32_t max_attempts;	/* failed leases before a unit is dead-lettered, default 3 */
 	uint32_t worker_ttl_ms; /* heartbeat key lifetime, default 30000 */
 	struct ro_unit_bounds bounds;
 	/* Test hook: called after a command was written, before its reply is read, with the
@@ -80,7 +80,7 @@ struct ro_claim {
 	uint32_t n;
 	uint32_t n_published;
 	uint32_t *published_idx; /* indexes already in the samples stream */
-	char **published_ids;    /* their stream entry ids */
+	char **published_ids;	 /* their stream entry ids */
 	uint32_t n_progress;
 	struct ro_progress *progress;
 	char *meta; /* the unit's meta JSON ("" when none), copied into each sample */
@@ -99,20 +99,20 @@ struct ro_sample {
 
 struct ro_queue_stats {
 	int64_t pending, leased, done, dead, samples, groups;
-	int64_t lag;      /* the most behind trainer group's lag, or samples when no group */
+	int64_t lag;	   /* the most behind trainer group's lag, or samples when no group */
 	uint32_t n_groups; /* consumer groups on the samples stream */
 	uint32_t n_workers;
 	struct ro_worker_info {
 		char *id;
 		int64_t age_ms; /* since its last heartbeat */
-		char *fields;   /* its heartbeat hash as a JSON object */
-	} *workers;
+		char *fields;	/* its heartbeat hash as a JSON object */
+	} * workers;
 };
 
 /* Parse and check one unit (JSON text of len bytes) against bounds. On -EINVAL, ret_why
  * (if given, size why_len) says which field broke which rule. */
-int ro_unit_parse(const char *json, size_t len, const struct ro_unit_bounds *b,
-		  struct ro_unit *ret, char *ret_why, size_t why_len);
+int ro_unit_parse(const char *json, size_t len, const struct ro_unit_bounds *b, struct ro_unit *ret,
+		  char *ret_why, size_t why_len);
 void ro_unit_clear(struct ro_unit *u);
 bool ro_unit_id_valid(const char *id);
 
@@ -125,7 +125,8 @@ uint64_t ro_queue_connects(const struct ro_queue *q);
 
 /* Enqueue count units; ret_status[i] is 1 queued, 0 already queued with the same body,
  * -EEXIST the id exists with another body. */
-int ro_queue_enqueue(struct ro_queue *q, const struct ro_unit *units, size_t count, int *ret_status);
+int ro_queue_enqueue(struct ro_queue *q, const struct ro_unit *units, size_t count,
+		     int *ret_status);
 
 /* Claim up to k units under a lease of lease_ms. Returns how many (0: none pending). */
 int ro_queue_claim(struct ro_queue *q, uint32_t k, uint32_t lease_ms, struct ro_claim **ret,

@@ -25,8 +25,8 @@ bool ro_unit_id_valid(const char *id)
 
 	for (const char *p = id; *p; p++, n++) {
 		char c = *p;
-		bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-			  c == '.' || c == '_' || c == ':' || c == '-';
+		bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+			  (c >= '0' && c <= '9') || c == '.' || c == '_' || c == ':' || c == '-';
 		if (!ok || n >= 128)
 			return false;
 	}
@@ -130,8 +130,7 @@ static int parse_sampling(struct json_object *s, struct ro_unit *u, char *w, siz
 
 	if (!json_object_is_type(s, json_type_object))
 		return why(w, wl, "sampling must be an object");
-	json_object_object_foreach(s, key, val)
-	{
+	json_object_object_foreach (s, key, val) {
 		int64_t v;
 
 		if (!strcmp(key, "temperature")) {
@@ -154,14 +153,13 @@ static int parse_sampling(struct json_object *s, struct ro_unit *u, char *w, siz
 	return 0;
 }
 
-static int parse_fields(struct json_object *root, const struct ro_unit_bounds *b,
-			struct ro_unit *u, char *w, size_t wl)
+static int parse_fields(struct json_object *root, const struct ro_unit_bounds *b, struct ro_unit *u,
+			char *w, size_t wl)
 {
 	bool have_prompt = false, have_n = false, have_max = false;
 	int r = 0;
 
-	json_object_object_foreach(root, key, val)
-	{
+	json_object_object_foreach (root, key, val) {
 		int64_t v;
 
 		if (!strcmp(key, "id")) {
@@ -173,9 +171,9 @@ static int parse_fields(struct json_object *root, const struct ro_unit_bounds *b
 			/* an embedded NUL would make the C id differ from the JSON one */
 			if (strlen(id) != (size_t)json_object_get_string_len(val) ||
 			    !ro_unit_id_valid(id))
-				return why(w, wl,
-					   "id \"%.40s\" must be 1-128 characters of [A-Za-z0-9._:-]",
-					   id);
+				return why(
+				    w, wl,
+				    "id \"%.40s\" must be 1-128 characters of [A-Za-z0-9._:-]", id);
 			u->id = strdup(id);
 			if (!u->id)
 				return -ENOMEM;
@@ -203,7 +201,8 @@ static int parse_fields(struct json_object *root, const struct ro_unit_bounds *b
 			r = get_uint(val, "min_policy_version", INT64_MAX, &v, w, wl);
 			u->min_policy_version = v;
 		} else if (!strcmp(key, "meta")) {
-			u->meta = strdup(json_object_to_json_string_ext(val, JSON_C_TO_STRING_PLAIN));
+			u->meta =
+			    strdup(json_object_to_json_string_ext(val, JSON_C_TO_STRING_PLAIN));
 			if (!u->meta)
 				return -ENOMEM;
 		} else {
@@ -223,8 +222,8 @@ static int parse_fields(struct json_object *root, const struct ro_unit_bounds *b
 	return 0;
 }
 
-int ro_unit_parse(const char *json, size_t len, const struct ro_unit_bounds *b,
-		  struct ro_unit *ret, char *w, size_t wl)
+int ro_unit_parse(const char *json, size_t len, const struct ro_unit_bounds *b, struct ro_unit *ret,
+		  char *w, size_t wl)
 {
 	struct json_tokener *tok;
 	struct json_object *root;

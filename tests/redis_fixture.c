@@ -82,7 +82,8 @@ static int spawn(struct ro_test_redis *r)
 		c = redisConnect("127.0.0.1", r->port);
 		if (c && !c->err) {
 			redisReply *rep = redisCommand(c, "PING");
-			bool ok = rep && rep->type == REDIS_REPLY_STATUS && !strcmp(rep->str, "PONG");
+			bool ok =
+			    rep && rep->type == REDIS_REPLY_STATUS && !strcmp(rep->str, "PONG");
 
 			if (rep)
 				freeReplyObject(rep);
@@ -193,12 +194,12 @@ struct ro_queue *ro_test_queue(const char *url, const char *queue, const char *w
 			       uint32_t max_attempts)
 {
 	struct ro_queue_opts o = {
-		.url = url,
-		.queue = queue,
-		.worker = worker,
-		.max_attempts = max_attempts,
-		.timeout_ms = 3000,
-		.retry_ms = 15000,
+	    .url = url,
+	    .queue = queue,
+	    .worker = worker,
+	    .max_attempts = max_attempts,
+	    .timeout_ms = 3000,
+	    .retry_ms = 15000,
 	};
 	struct ro_queue *q = NULL;
 
@@ -315,8 +316,12 @@ static int publish_one(struct ro_queue *q, const struct ro_claim *c, uint32_t id
 	const struct ro_progress *p = progress_of(c, idx);
 	int32_t tok[2] = {(int32_t)idx, (int32_t)c->attempt};
 	float lp[2] = {-1.0f, -2.0f};
-	struct ro_sample s = {.idx = idx, .tokens = tok, .logprobs = lp, .len = 2,
-			      .finish = "length", .resumed_from = p ? p->len : 0};
+	struct ro_sample s = {.idx = idx,
+			      .tokens = tok,
+			      .logprobs = lp,
+			      .len = 2,
+			      .finish = "length",
+			      .resumed_from = p ? p->len : 0};
 	char ids[1][24];
 	int r;
 
@@ -390,8 +395,8 @@ static long scan_stream(redisContext *c, const char *queue, const char *which, c
 	long n = 0, cap = 0, resumed = 0;
 
 	for (;;) {
-		redisReply *rep = redisCommand(c, "XRANGE ro:{%s}:%s %s + COUNT 1000", queue, which,
-					       from);
+		redisReply *rep =
+		    redisCommand(c, "XRANGE ro:{%s}:%s %s + COUNT 1000", queue, which, from);
 
 		if (!rep || rep->type != REDIS_REPLY_ARRAY)
 			abort();

@@ -47,7 +47,7 @@ static void msleep(long ms)
  * reply before the kill landed, so the client's socket is also swapped for a dead one:
  * the reply is lost for certain, as when a connection dies in flight. */
 struct killer {
-	const char *fn;   /* FCALL function to intercept */
+	const char *fn;	  /* FCALL function to intercept */
 	const char *when; /* command whose integer reply turns >= 1 once it ran */
 	const char *client;
 	int fired;
@@ -90,8 +90,11 @@ static void kill_after_send(void *arg, const char *fn, int fd)
 
 static struct ro_queue *queue_with_killer(struct killer *k)
 {
-	struct ro_queue_opts o = {.url = S.url, .queue = "lr", .worker = k->client,
-				  .after_send = kill_after_send, .after_send_arg = k};
+	struct ro_queue_opts o = {.url = S.url,
+				  .queue = "lr",
+				  .worker = k->client,
+				  .after_send = kill_after_send,
+				  .after_send_arg = k};
 	struct ro_queue *q;
 
 	cr_assert_eq(ro_queue_new(&o, &q), 0);
@@ -100,8 +103,8 @@ static struct ro_queue *queue_with_killer(struct killer *k)
 
 Test(faults, lost_publish_reply_creates_no_duplicate)
 {
-	struct killer k = {.fn = "ro_publish", .when = "HEXISTS ro:{lr}:unit:lr-0 s:0",
-			   .client = "w-lost"};
+	struct killer k = {
+	    .fn = "ro_publish", .when = "HEXISTS ro:{lr}:unit:lr-0 s:0", .client = "w-lost"};
 	struct ro_queue *q = queue_with_killer(&k);
 	struct ro_claim *c;
 	size_t n;
@@ -116,7 +119,8 @@ Test(faults, lost_publish_reply_creates_no_duplicate)
 	cr_assert_eq(ro_queue_connects(q), 1);
 	cr_assert_eq(ro_queue_publish(q, c, &s, 1, false, ids, NULL), 0, "%s", ro_queue_errmsg(q));
 	cr_assert_eq(k.fired, 2, "the connection was not killed");
-	cr_assert_eq(ro_queue_connects(q), 2, "the client did not reconnect (%llu connects)", (unsigned long long)ro_queue_connects(q));
+	cr_assert_eq(ro_queue_connects(q), 2, "the client did not reconnect (%llu connects)",
+		     (unsigned long long)ro_queue_connects(q));
 	cr_assert_eq(ro_test_int(R, "XLEN ro:{lr}:samples"), 1);
 	rep = redisCommand(R, "HGET ro:{lr}:unit:lr-0 s:0");
 	cr_assert_str_eq(rep->str, ids[0], "the retry returned another entry id");

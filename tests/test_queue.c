@@ -65,8 +65,12 @@ static struct ro_sample sample(uint32_t idx)
 	static const int32_t tok[3] = {5, 6, 7};
 	static const float lp[3] = {-0.5f, -1.25f, -2.0f};
 
-	return (struct ro_sample){.idx = idx, .tokens = tok, .logprobs = lp, .len = 3,
-				  .finish = "stop", .policy_version = 4};
+	return (struct ro_sample){.idx = idx,
+				  .tokens = tok,
+				  .logprobs = lp,
+				  .len = 3,
+				  .finish = "stop",
+				  .policy_version = 4};
 }
 
 static long long xlen(const char *what)
@@ -132,7 +136,8 @@ Test(queue, full_cycle)
 	}
 	/* the entry carries what the sample said plus unit, worker, attempt, meta */
 	{
-		redisReply *rep = redisCommand(R, "XRANGE ro:{%s}:samples %s %s", Q, ids[0], ids[0]);
+		redisReply *rep =
+		    redisCommand(R, "XRANGE ro:{%s}:samples %s %s", Q, ids[0], ids[0]);
 		redisReply *f = rep->element[0]->element[1];
 		char all[1024] = "";
 
@@ -296,12 +301,13 @@ Test(queue, renew_keeps_the_lease)
 
 	enqueue(q, "u1", 1);
 	enqueue(q, "u2", 1);
-	cr_assert_eq(ro_queue_claim(q, 2, 300, &c, &n), 2);
+	/* a 1 s lease renewed every 0.3 s outlives 1.5 s (margins wide for a loaded CI box) */
+	cr_assert_eq(ro_queue_claim(q, 2, 1000, &c, &n), 2);
 	pc[0] = &c[0];
 	pc[1] = &c[1];
-	for (int i = 0; i < 4; i++) {
-		msleep(150);
-		cr_assert_eq(ro_queue_renew(q, pc, 2, 300, ok), 0);
+	for (int i = 0; i < 5; i++) {
+		msleep(300);
+		cr_assert_eq(ro_queue_renew(q, pc, 2, 1000, ok), 0);
 		cr_assert(ok[0] && ok[1]);
 	}
 	cr_assert_eq(ro_queue_publish(q, &c[1], &s, 1, true, ids, NULL), 0);
@@ -316,10 +322,18 @@ Test(queue, checkpoint_and_requeue_keep_progress_exactly)
 	size_t na, nb;
 	int32_t t1[3] = {11, 12, 13}, t2[2] = {21, 22};
 	float l1[3] = {-0.1f, -0.2f, -0.30000001f}, l2[2] = {-1e-7f, -7.5f};
-	struct ro_progress p1 = {.idx = 1, .len = 3, .tokens = t1, .logprobs = l1,
-				 .sampler_pos = 3, .policy_version = 2};
-	struct ro_progress p2 = {.idx = 2, .len = 2, .tokens = t2, .logprobs = l2,
-				 .sampler_pos = 2, .policy_version = 2};
+	struct ro_progress p1 = {.idx = 1,
+				 .len = 3,
+				 .tokens = t1,
+				 .logprobs = l1,
+				 .sampler_pos = 3,
+				 .policy_version = 2};
+	struct ro_progress p2 = {.idx = 2,
+				 .len = 2,
+				 .tokens = t2,
+				 .logprobs = l2,
+				 .sampler_pos = 2,
+				 .policy_version = 2};
 	struct ro_sample s = sample(0);
 	char ids[1][24];
 

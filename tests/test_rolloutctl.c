@@ -57,7 +57,8 @@ static void slurp(int fd, char *buf, size_t cap)
 static struct run *ctl(const char *stdin_file, ...)
 {
 	static struct run r;
-	const char *argv[32] = {getenv("RO_ROLLOUTCTL"), "--redis", ro_test_redis_url(), "--queue", Q};
+	const char *argv[32] = {getenv("RO_ROLLOUTCTL"), "--redis", ro_test_redis_url(), "--queue",
+				Q};
 	int argc = 5, out[2], err[2];
 	va_list ap;
 	pid_t pid;
@@ -142,10 +143,11 @@ Test(ctl, enqueue_from_stdin)
 
 Test(ctl, bad_lines_are_reported_by_number_and_nothing_is_written)
 {
-	const char *f = write_file("bad.jsonl",
-				   UNIT("ok1") "{\"id\":\"x y\",\"prompt\":[1],\"n\":1,\"max_new_tokens\":1}\n"
-					       UNIT("ok2") "{\"id\":\"z\",\"prompt\":[1],\"n\":0,\"max_new_tokens\":1}\n"
-							   "{broken\n");
+	const char *f = write_file(
+	    "bad.jsonl",
+	    UNIT("ok1") "{\"id\":\"x y\",\"prompt\":[1],\"n\":1,\"max_new_tokens\":1}\n" UNIT(
+		"ok2") "{\"id\":\"z\",\"prompt\":[1],\"n\":0,\"max_new_tokens\":1}\n"
+		       "{broken\n");
 	struct run *r = ctl(NULL, "enqueue", f, NULL);
 
 	cr_assert_eq(r->status, 1);
@@ -173,7 +175,7 @@ Test(ctl, ten_megabyte_line_is_refused)
 	r = ctl(NULL, "enqueue", path, NULL);
 	cr_assert_eq(r->status, 1);
 	cr_assert(strstr(r->err, "huge.jsonl:1: unit is 10485") &&
-			  strstr(r->err, "above the bound 1048576"),
+		      strstr(r->err, "above the bound 1048576"),
 		  "%s", r->err);
 	cr_assert_eq(ro_test_int(R, "EXISTS ro:{%s}:unit:big", Q), 0);
 }
@@ -181,7 +183,8 @@ Test(ctl, ten_megabyte_line_is_refused)
 Test(ctl, conflicting_body_fails)
 {
 	const char *a = write_file("a.jsonl", UNIT("dup"));
-	const char *b = write_file("b.jsonl", "{\"id\":\"dup\",\"prompt\":[9],\"n\":1,\"max_new_tokens\":1}\n");
+	const char *b =
+	    write_file("b.jsonl", "{\"id\":\"dup\",\"prompt\":[9],\"n\":1,\"max_new_tokens\":1}\n");
 	struct run *r = ctl(NULL, "enqueue", a, NULL);
 
 	cr_assert_eq(r->status, 0);
@@ -211,7 +214,8 @@ Test(ctl, failures_exit_1)
 	cr_assert_eq(ctl(NULL, "enqueue", "/nonexistent/file", NULL)->status, 1);
 	cr_assert_eq(ctl(NULL, "dead", "retry", "nosuch", NULL)->status, 1);
 	/* a Redis that is not there: a clear message and 1, quickly */
-	(void)snprintf(cmd, sizeof(cmd), "%s --redis redis://127.0.0.1:1/0 status 2>/dev/null", argv0);
+	(void)snprintf(cmd, sizeof(cmd), "%s --redis redis://127.0.0.1:1/0 status 2>/dev/null",
+		       argv0);
 	st = system(cmd);
 	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 1, "status %d", st);
 	(void)snprintf(cmd, sizeof(cmd), "%s --redis ftp://x status 2>/dev/null", argv0);

@@ -31,18 +31,19 @@ static int parse(const char *json, char *why, size_t wl)
 	return r;
 }
 
-#define REFUSED(json, needle)                                                              \
-	do {                                                                               \
-		char why[256];                                                             \
+#define REFUSED(json, needle)                                                               \
+	do {                                                                                \
+		char why[256];                                                              \
 		cr_assert_eq(parse(json, why, sizeof(why)), -EINVAL, "accepted: %s", json); \
 		cr_assert(strstr(why, needle), "reason \"%s\" lacks \"%s\"", why, needle);  \
 	} while (0)
 
 Test(unit, accepts_full_unit)
 {
-	const char *j = "{\"id\":\"u-000123\",\"prompt\":[1,2,3],\"n\":8,\"max_new_tokens\":512,"
-			"\"sampling\":{\"temperature\":0.7,\"top_p\":0.9,\"top_k\":50,\"seed\":42},"
-			"\"stop\":[7],\"min_policy_version\":3,\"meta\":{\"task\":\"gsm8k\",\"k\":[1]}}";
+	const char *j =
+	    "{\"id\":\"u-000123\",\"prompt\":[1,2,3],\"n\":8,\"max_new_tokens\":512,"
+	    "\"sampling\":{\"temperature\":0.7,\"top_p\":0.9,\"top_k\":50,\"seed\":42},"
+	    "\"stop\":[7],\"min_policy_version\":3,\"meta\":{\"task\":\"gsm8k\",\"k\":[1]}}";
 	struct ro_unit u;
 	char why[128];
 
@@ -138,7 +139,8 @@ Test(unit, missing_and_unknown_fields)
 Test(unit, bounds_and_ranges)
 {
 	char *big = malloc(20000);
-	size_t off = (size_t)sprintf(big, "{\"id\":\"a\",\"n\":1,\"max_new_tokens\":1,\"prompt\":[");
+	size_t off =
+	    (size_t)sprintf(big, "{\"id\":\"a\",\"n\":1,\"max_new_tokens\":1,\"prompt\":[");
 
 	for (int i = 0; i < 1001; i++)
 		off += (size_t)sprintf(big + off, i ? ",%d" : "%d", i);
@@ -146,8 +148,10 @@ Test(unit, bounds_and_ranges)
 	REFUSED(big, "prompt has 1001 tokens, above the bound 1000");
 	free(big);
 	REFUSED("{\"id\":\"a\",\"prompt\":[],\"n\":1,\"max_new_tokens\":1}", "prompt is empty");
-	REFUSED("{\"id\":\"a\",\"prompt\":[1],\"n\":0,\"max_new_tokens\":1}", "n must be at least 1");
-	REFUSED("{\"id\":\"a\",\"prompt\":[1],\"n\":17,\"max_new_tokens\":1}", "above the bound 16");
+	REFUSED("{\"id\":\"a\",\"prompt\":[1],\"n\":0,\"max_new_tokens\":1}",
+		"n must be at least 1");
+	REFUSED("{\"id\":\"a\",\"prompt\":[1],\"n\":17,\"max_new_tokens\":1}",
+		"above the bound 16");
 	REFUSED("{\"id\":\"a\",\"prompt\":[1],\"n\":-2,\"max_new_tokens\":1}",
 		"n must not be negative");
 	REFUSED("{\"id\":\"a\",\"prompt\":[-1],\"n\":1,\"max_new_tokens\":1}",
@@ -217,8 +221,12 @@ Test(unit, progress_round_trip_is_bitwise)
 {
 	int32_t tok[6] = {0, 1, 151645, 2147483647, 42, 7};
 	float lp[6] = {-0.0f, -1e-38f, -3.4028235e38f, -0.1f, -1.17549435e-38f, -12.345678f};
-	struct ro_progress p = {.idx = 3, .len = 6, .tokens = tok, .logprobs = lp,
-				.sampler_pos = 18446744073709551ull, .policy_version = 9};
+	struct ro_progress p = {.idx = 3,
+				.len = 6,
+				.tokens = tok,
+				.logprobs = lp,
+				.sampler_pos = 18446744073709551ull,
+				.policy_version = 9};
 	struct ro_progress d;
 	char *s = ro_progress_encode(&p);
 

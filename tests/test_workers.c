@@ -46,10 +46,11 @@ static void crash_midway(const char *worker)
 	size_t n;
 	int32_t tok[3] = {100, 101, 102};
 	float lp[3] = {-0.5f, -0.25f, -0.125f};
-	struct ro_progress p = {.idx = 2, .len = 3, .tokens = tok, .logprobs = lp, .sampler_pos = 3};
+	struct ro_progress p = {
+	    .idx = 2, .len = 3, .tokens = tok, .logprobs = lp, .sampler_pos = 3};
 	struct ro_sample s[2] = {
-		{.idx = 0, .tokens = tok, .logprobs = lp, .len = 1, .finish = "stop"},
-		{.idx = 1, .tokens = tok, .logprobs = lp, .len = 2, .finish = "stop"},
+	    {.idx = 0, .tokens = tok, .logprobs = lp, .len = 1, .finish = "stop"},
+	    {.idx = 1, .tokens = tok, .logprobs = lp, .len = 2, .finish = "stop"},
 	};
 	char ids[2][24];
 
@@ -132,7 +133,8 @@ Test(workers, eight_workers_race_for_2000_units)
 			long done;
 
 			(void)snprintf(w, sizeof(w), "racer%d", i);
-			done = ro_test_worker_run(ro_test_redis_url(), Q, w, units, 100, 30000, false);
+			done =
+			    ro_test_worker_run(ro_test_redis_url(), Q, w, units, 100, 30000, false);
 			if (write(fds[i][1], &done, sizeof(done)) != sizeof(done))
 				_exit(1);
 			_exit(0);
@@ -173,7 +175,8 @@ Test(workers, poison_unit_goes_dead_and_the_rest_flows)
 			char w[16];
 
 			(void)snprintf(w, sizeof(w), "life%d", spawned);
-			(void)ro_test_worker_run(ro_test_redis_url(), Q, w, good + 1, 30, 300, true);
+			(void)ro_test_worker_run(ro_test_redis_url(), Q, w, good + 1, 30, 800,
+						 true);
 			_exit(0);
 		}
 		spawned++;
@@ -192,7 +195,7 @@ Test(workers, poison_unit_goes_dead_and_the_rest_flows)
 	cr_assert(strstr(d[0].reason, "attempt 3 of 3"), "%s", d[0].reason);
 	/* its history names each worker that took it */
 	cr_assert(strstr(d[0].history, "life0") && strstr(d[0].history, "life1") &&
-			  strstr(d[0].history, "life2"),
+		      strstr(d[0].history, "life2"),
 		  "%s", d[0].history);
 	ro_dead_free(d, nd);
 	cr_assert_eq(ro_test_int(R, "HGET ro:{%s}:stats done", Q), good);

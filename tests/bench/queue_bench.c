@@ -95,8 +95,12 @@ static void ours_client(const char *queue, int id, bool batched, struct lat *l)
 			break;
 		}
 		for (unsigned i = 0; i < n_samples; i++)
-			s[i] = (struct ro_sample){.idx = i, .tokens = TOK, .logprobs = LP, .len = 16,
-						  .finish = "length", .policy_version = 1};
+			s[i] = (struct ro_sample){.idx = i,
+						  .tokens = TOK,
+						  .logprobs = LP,
+						  .len = 16,
+						  .finish = "length",
+						  .policy_version = 1};
 		if (batched) {
 			bool done = false;
 
@@ -111,7 +115,8 @@ static void ours_client(const char *queue, int id, bool batched, struct lat *l)
 				bool last = i + 1 == n_samples, done = false;
 
 				t0 = now_us();
-				if (ro_queue_publish(q, c, &s[i], 1, last, ids, &done) || done != last)
+				if (ro_queue_publish(q, c, &s[i], 1, last, ids, &done) ||
+				    done != last)
 					abort();
 				lat_add(&l[OP_PUBLISH], now_us() - t0);
 			}
@@ -163,12 +168,14 @@ static void streams_client(const char *queue, int id, bool batched, struct lat *
 	char tokens[128], logprobs[256];
 
 	(void)snprintf(tokens, sizeof(tokens), "[11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26]");
-	(void)snprintf(logprobs, sizeof(logprobs),
-		       "[-0.5,-0.25,-1.5,-2,-0.5,-0.25,-1.5,-2,-0.5,-0.25,-1.5,-2,-0.5,-0.25,-1.5,-2]");
+	(void)snprintf(
+	    logprobs, sizeof(logprobs),
+	    "[-0.5,-0.25,-1.5,-2,-0.5,-0.25,-1.5,-2,-0.5,-0.25,-1.5,-2,-0.5,-0.25,-1.5,-2]");
 	for (;;) {
 		int64_t t0 = now_us();
-		redisReply *r = redisCommand(c, "XREADGROUP GROUP workers c%d COUNT 1 STREAMS bench:{%s}:units >",
-					     id, queue);
+		redisReply *r = redisCommand(
+		    c, "XREADGROUP GROUP workers c%d COUNT 1 STREAMS bench:{%s}:units >", id,
+		    queue);
 		char eid[64], unit[64];
 
 		check(r);
@@ -188,8 +195,10 @@ static void streams_client(const char *queue, int id, bool batched, struct lat *
 			t0 = now_us();
 			for (unsigned i = 0; i < n_samples; i++)
 				(void)redisAppendCommand(
-					c, "XADD bench:{%s}:samples * unit %s idx %u tokens %s logprobs %s finish length policy_version 1",
-					queue, unit, i, tokens, logprobs);
+				    c,
+				    "XADD bench:{%s}:samples * unit %s idx %u tokens %s logprobs "
+				    "%s finish length policy_version 1",
+				    queue, unit, i, tokens, logprobs);
 			(void)redisAppendCommand(c, "XACK bench:{%s}:units workers %s", queue, eid);
 			for (unsigned i = 0; i <= n_samples; i++) {
 				if (redisGetReply(c, (void **)&r) != REDIS_OK)
@@ -201,7 +210,9 @@ static void streams_client(const char *queue, int id, bool batched, struct lat *
 		} else {
 			for (unsigned i = 0; i < n_samples; i++) {
 				t0 = now_us();
-				r = redisCommand(c, "XADD bench:{%s}:samples * unit %s idx %u tokens %s logprobs %s finish length policy_version 1",
+				r = redisCommand(c,
+						 "XADD bench:{%s}:samples * unit %s idx %u tokens "
+						 "%s logprobs %s finish length policy_version 1",
 						 queue, unit, i, tokens, logprobs);
 				check(r);
 				freeReplyObject(r);
@@ -334,11 +345,12 @@ static void print_profile(void)
 
 		if (args->elements < 1)
 			continue;
-		(void)snprintf(name, sizeof(name), "%s%s%s", args->element[0]->str,
-			       args->elements > 1 && !strcasecmp(args->element[0]->str, "fcall") ? " " : "",
-			       args->elements > 1 && !strcasecmp(args->element[0]->str, "fcall")
-				       ? args->element[1]->str
-				       : "");
+		(void)snprintf(
+		    name, sizeof(name), "%s%s%s", args->element[0]->str,
+		    args->elements > 1 && !strcasecmp(args->element[0]->str, "fcall") ? " " : "",
+		    args->elements > 1 && !strcasecmp(args->element[0]->str, "fcall")
+			? args->element[1]->str
+			: "");
 		for (k = 0; k < na && strcmp(agg[k].name, name); k++)
 			;
 		if (k == na) {
@@ -379,7 +391,9 @@ int main(int argc, char **argv)
 			     tok = strtok_r(NULL, ",", &save))
 				clients[n_clients++] = atoi(tok);
 		} else {
-			(void)fprintf(stderr, "usage: queue_bench [--units N] [--n SAMPLES] [--clients 1,4,16]\n");
+			(void)fprintf(
+			    stderr,
+			    "usage: queue_bench [--units N] [--n SAMPLES] [--clients 1,4,16]\n");
 			return 2;
 		}
 	}
@@ -396,22 +410,27 @@ int main(int argc, char **argv)
 		check(redisCommand(c, "CONFIG SET slowlog-max-len 2000000"));
 		redisFree(c);
 	}
-	(void)printf("queue_bench: %ld units x %u samples (16 tokens each), redis-server on 127.0.0.1, %ld cores\n",
+	(void)printf("queue_bench: %ld units x %u samples (16 tokens each), redis-server on "
+		     "127.0.0.1, %ld cores\n",
 		     n_units, n_samples, sysconf(_SC_NPROCESSORS_ONLN));
-	(void)printf("baseline: Redis Streams consumer group (XREADGROUP COUNT 1, XADD per sample, XACK)\n");
-	(void)printf("latency columns: p50/p99 in microseconds. rolloutd completes a unit with its last\n"
-		     "publish (batched: all n samples and the completion in one call); streams XACKs\n"
-		     "separately (batched: n XADD + XACK pipelined in one round trip)\n\n");
+	(void)printf(
+	    "baseline: Redis Streams consumer group (XREADGROUP COUNT 1, XADD per sample, XACK)\n");
+	(void)printf(
+	    "latency columns: p50/p99 in microseconds. rolloutd completes a unit with its last\n"
+	    "publish (batched: all n samples and the completion in one call); streams XACKs\n"
+	    "separately (batched: n XADD + XACK pipelined in one round trip)\n\n");
 	(void)printf("clients  %-28s %9s  %-13s  %-13s  %-13s  %s\n", "cycle", "units/s", "claim",
 		     "publish", "complete", "ratio");
 	for (int b = 0; b < 2; b++) {
 		for (int i = 0; i < n_clients; i++) {
-			struct result base = run("streams", streams_setup, streams_client, clients[i], b);
+			struct result base =
+			    run("streams", streams_setup, streams_client, clients[i], b);
 			struct result ours = run("ours", ours_setup, ours_client, clients[i], b);
 
-			print_row(b ? "streams, batched" : "streams, one by one", clients[i], &base, 0);
-			print_row(b ? "rolloutd, batched" : "rolloutd, one by one", clients[i], &ours,
-				  ours.units_per_s / base.units_per_s);
+			print_row(b ? "streams, batched" : "streams, one by one", clients[i], &base,
+				  0);
+			print_row(b ? "rolloutd, batched" : "rolloutd, one by one", clients[i],
+				  &ours, ours.units_per_s / base.units_per_s);
 		}
 	}
 	{
@@ -421,23 +440,27 @@ int main(int argc, char **argv)
 		char *line, *save = NULL;
 
 		(void)printf("\nserver time per call (INFO commandstats):\n");
-		for (line = strtok_r(r->str, "\r\n", &save); line; line = strtok_r(NULL, "\r\n", &save)) {
+		for (line = strtok_r(r->str, "\r\n", &save); line;
+		     line = strtok_r(NULL, "\r\n", &save)) {
 			char name[64];
 			long long calls = 0;
 			double per = 0;
 
-			if (sscanf(line, "cmdstat_%63[^:]:calls=%lld,usec=%*d,usec_per_call=%lf", name,
-				   &calls, &per) == 3 &&
+			if (sscanf(line, "cmdstat_%63[^:]:calls=%lld,usec=%*d,usec_per_call=%lf",
+				   name, &calls, &per) == 3 &&
 			    calls >= n_units)
-				(void)printf("  %-12s %9lld calls  %7.2f us/call\n", name, calls, per);
+				(void)printf("  %-12s %9lld calls  %7.2f us/call\n", name, calls,
+					     per);
 		}
 		freeReplyObject(r);
 		redisFree(c);
 	}
 	if (profile)
 		print_profile();
-	(void)printf("\nratio = rolloutd units/s / streams units/s at the same client count and shape;\n"
-		     "rolloutd also does leases, fencing tokens, idempotent publish and completion groups.\n");
+	(void)printf(
+	    "\nratio = rolloutd units/s / streams units/s at the same client count and shape;\n"
+	    "rolloutd also does leases, fencing tokens, idempotent publish and completion "
+	    "groups.\n");
 	ro_test_redis_stop(&S);
 	return 0;
 }
