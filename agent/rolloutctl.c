@@ -11,9 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "agent/ctl.h"
 #include "queue/queue.h"
-
-enum { EXIT_USAGE = 2 };
 
 struct ctl {
 	const char *redis, *queue, *prefix;
@@ -46,6 +45,8 @@ static void usage(FILE *f)
 	    "  dead purge              delete every dead unit\n"
 	    "  samples [--follow] [--count N] [--from ID]\n"
 	    "                          the samples stream as JSON lines\n"
+	    "  imds watch|get|mock     EC2 metadata: print interruption events as JSON lines,\n"
+	    "                          read a path, or start the mock IMDS (imds --help)\n"
 	    "\n"
 	    "options (anywhere on the line):\n"
 	    "  --redis URL             redis://host:port/db or unix:///path (env ROLLOUTD_REDIS;\n"
@@ -419,6 +420,9 @@ int main(int argc, char **argv)
 	struct sigaction sa = {.sa_handler = on_signal};
 	int ch;
 
+	/* imds has options of its own (the mock's are amazon-ec2-metadata-mock's) */
+	if (argc > 1 && !strcmp(argv[1], "imds"))
+		return ro_ctl_imds(argc - 2, argv + 2);
 	ro_unit_bounds_default(&c.bounds);
 	if (!c.queue || !*c.queue)
 		c.queue = "default";

@@ -1,0 +1,8 @@
+/* rolloutctl's subcommands that live in files of their own (agent/ctl_*.c). Each takes the
+ * words after its name and returns the process exit code: 0 ok, 1 failure, 2 usage. */
+#pragma once
+
+enum { EXIT_USAGE = 2 };
+
+/* imds watch|get|mock */
+int ro_ctl_imds(int argc, char **argv);

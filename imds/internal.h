@@ -1,0 +1,7 @@
+/* Private helpers shared by the files of imds/. */
+#pragma once
+
+#include <stdint.h>
+
+int64_t ro_imds_mono_ms(void);
+int64_t ro_imds_wall_ms(void);
