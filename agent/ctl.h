@@ -6,3 +6,8 @@ enum { EXIT_USAGE = 2 };
 
 /* imds watch|get|mock */
 int ro_ctl_imds(int argc, char **argv);
+
+/* make-model [options] DIR: a random Qwen3-MoE or Mixtral model in Hugging Face layout */
+int ro_ctl_make_model(int argc, char **argv);
+/* generate --model DIR --prompt IDS [...]: run the model with no queue */
+int ro_ctl_generate(int argc, char **argv);

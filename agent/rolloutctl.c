@@ -45,6 +45,10 @@ static void usage(FILE *f)
 	    "  dead purge              delete every dead unit\n"
 	    "  samples [--follow] [--count N] [--from ID]\n"
 	    "                          the samples stream as JSON lines\n"
+	    "  make-model [--arch qwen3_moe|mixtral ...] DIR\n"
+	    "                          write a random model in Hugging Face layout\n"
+	    "  generate --model DIR --prompt 1,2,3 [--n N] [--max-new-tokens T] ...\n"
+	    "                          run the model without the queue (samples as JSON)\n"
 	    "  imds watch|get|mock     EC2 metadata: print interruption events as JSON lines,\n"
 	    "                          read a path, or start the mock IMDS (imds --help)\n"
 	    "\n"
@@ -423,6 +427,11 @@ int main(int argc, char **argv)
 	/* imds has options of its own (the mock's are amazon-ec2-metadata-mock's) */
 	if (argc > 1 && !strcmp(argv[1], "imds"))
 		return ro_ctl_imds(argc - 2, argv + 2);
+	/* the model commands need no queue and take options of their own */
+	if (argc > 1 && !strcmp(argv[1], "make-model"))
+		return ro_ctl_make_model(argc - 1, argv + 1);
+	if (argc > 1 && !strcmp(argv[1], "generate"))
+		return ro_ctl_generate(argc - 1, argv + 1);
 	ro_unit_bounds_default(&c.bounds);
 	if (!c.queue || !*c.queue)
 		c.queue = "default";

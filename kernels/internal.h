@@ -1,0 +1,82 @@
+/* Private to kernels/: the safetensors reader, the thread pool and the CPU kernels. */
+#pragma once
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- safetensors ------------------------------------------------------------------------ */
+
+enum ro_dtype { RO_F32, RO_BF16, RO_F16 };
+
+struct ro_tensor {
+	char *name;
+	enum ro_dtype dtype;
+	uint32_t ndim;
+	uint64_t shape[4];
+	const void *data; /* inside a mapping, checked to lie within its file */
+	uint64_t bytes;
+};
+
+struct ro_st_set; /* every tensor of a model directory, mapped */
+
+/* Map a directory's model.safetensors, or the shards its index names. */
+int ro_st_open_dir(const char *dir, struct ro_st_set **ret, char *err, size_t errlen);
+struct ro_st_set *ro_st_free(struct ro_st_set *s);
+const struct ro_tensor *ro_st_find(const struct ro_st_set *s, const char *name);
+size_t ro_st_count(const struct ro_st_set *s);
+
+size_t ro_dtype_size(enum ro_dtype t);
+int ro_errf(char *err, size_t errlen, int r, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static inline float ro_bf16_to_f32(uint16_t h)
+{
+	union {
+		uint32_t u;
+		float f;
+	} v = {.u = (uint32_t)h << 16};
+	return v.f;
+}
+
+static inline uint16_t ro_f32_to_bf16(float f)
+{
+	union {
+		float f;
+		uint32_t u;
+	} v = {.f = f};
+	/* round to nearest even; NaN stays NaN */
+	if ((v.u & 0x7fffffff) > 0x7f800000)
+		return (uint16_t)((v.u >> 16) | 0x40);
+	return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
+float ro_f16_to_f32(uint16_t h);
+uint16_t ro_f32_to_f16(float f);
+
+/* ---- thread pool -------------------------------------------------------------------------- */
+
+struct ro_pool;
+int ro_pool_new(uint32_t threads, struct ro_pool **ret);
+struct ro_pool *ro_pool_free(struct ro_pool *p);
+uint32_t ro_pool_size(const struct ro_pool *p);
+/* fn(arg, i) for i in [0, n), spread over the pool; returns when all are done. */
+void ro_pool_for(struct ro_pool *p, uint32_t n, void (*fn)(void *arg, uint32_t i), void *arg);
+
+/* ---- CPU kernels ---------------------------------------------------------------------------- */
+
+/* A weight matrix [rows][cols], row-major as Hugging Face stores nn.Linear (out, in). */
+struct ro_mat {
+	const void *w;
+	enum ro_dtype dtype; /* F32 or BF16 (F16 is widened at load) */
+	uint32_t rows, cols;
+};
+
+/* y[t][r0..r1) = W[r0..r1) . x[t] for t < T. Every (row, token) dot product runs the same
+ * instructions in the same order whatever T, r0 and r1 are: batch invariance rests here. */
+void ro_gemm_rows(const struct ro_mat *W, const float *x, uint32_t T, float *y, uint32_t ldy,
+		  uint32_t r0, uint32_t r1);
+bool ro_cpu_has_avx2(void);
+void ro_kernels_force_scalar(bool scalar);
+const char *ro_kernels_name(void);

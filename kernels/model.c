@@ -1,0 +1,1138 @@
+/* The model: config.json and safetensors of a Qwen3-MoE or Mixtral model in Hugging Face
+ * layout become weight views (bf16 and f32 used in place from the mapping), and a batched
+ * forward pass runs every token of a batch through embedding, attention with a KV cache,
+ * the expert layer and the LM head. Every per-token step (norms, RoPE, attention over the
+ * cache, routing, the experts, the combine in expert order) is computed the same way
+ * whatever shares the batch: that is what makes a sample independent of its batch and of
+ * how its prompt was chunked. */
+#include <errno.h>
+#include <json-c/json.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kernels/internal.h"
+#include "kernels/model.h"
+
+struct layer {
+	float *in_norm, *post_norm, *q_norm, *k_norm; /* owned f32 copies; q/k norm Qwen3 only */
+	struct ro_mat q, k, v, o, router;
+	struct ro_mat *gate, *up, *down; /* experts entries, or 1 for a dense layer */
+	uint32_t n_mlp, ffn;
+	bool dense;
+};
+
+struct ro_model {
+	struct ro_model_config c;
+	struct ro_st_set *st;
+	struct ro_pool *pool;
+	struct layer *L;
+	const struct ro_tensor *embed;
+	struct ro_mat head;
+	float *final_norm;
+	void **owned; /* widened f16 matrices */
+	size_t n_owned;
+	struct ro_moe_exchange xch;
+	bool have_xch;
+	/* workspace, grown to the largest batch seen */
+	float *ws;
+	size_t ws_len;
+};
+
+struct ro_seq {
+	struct ro_model *m;
+	uint32_t len, cap, max;
+	float *k, *v; /* [layers][cap][kv_heads * head_dim] */
+};
+
+/* ---- config ---------------------------------------------------------------------------- */
+
+static bool get_u32(struct json_object *o, const char *key, uint32_t *ret, bool required)
+{
+	struct json_object *v;
+	int64_t x;
+
+	if (!json_object_object_get_ex(o, key, &v) || json_object_is_type(v, json_type_null))
+		return !required;
+	if (!json_object_is_type(v, json_type_int))
+		return false;
+	x = json_object_get_int64(v);
+	if (x < 0 || x > (int64_t)UINT32_MAX)
+		return false;
+	*ret = (uint32_t)x;
+	return true;
+}
+
+static bool get_num(struct json_object *o, const char *key, double *ret)
+{
+	struct json_object *v;
+
+	if (!json_object_object_get_ex(o, key, &v) || json_object_is_type(v, json_type_null))
+		return true;
+	if (!json_object_is_type(v, json_type_double) && !json_object_is_type(v, json_type_int))
+		return false;
+	*ret = json_object_get_double(v);
+	return isfinite(*ret);
+}
+
+static bool get_bool(struct json_object *o, const char *key, bool *ret)
+{
+	struct json_object *v;
+
+	if (!json_object_object_get_ex(o, key, &v) || json_object_is_type(v, json_type_null))
+		return true;
+	if (!json_object_is_type(v, json_type_boolean))
+		return false;
+	*ret = json_object_get_boolean(v);
+	return true;
+}
+
+static int parse_config(const char *dir, struct ro_model_config *c, char *err, size_t errlen)
+{
+	char path[4096];
+	struct json_object *o, *arch, *mlp_only;
+	const char *an;
+	int r = -EINVAL;
+	const char *bad = NULL;
+
+	(void)snprintf(path, sizeof(path), "%s/config.json", dir);
+	if (access(path, R_OK))
+		return ro_errf(err, errlen, -ENOENT, "%s: %s", path, strerror(errno));
+	o = json_object_from_file(path);
+	if (!o || !json_object_is_type(o, json_type_object)) {
+		json_object_put(o);
+		return ro_errf(err, errlen, -EBADMSG, "%s: not a JSON object", path);
+	}
+	memset(c, 0, sizeof(*c));
+	if (!json_object_object_get_ex(o, "architectures", &arch) ||
+	    !json_object_is_type(arch, json_type_array) || json_object_array_length(arch) < 1 ||
+	    !json_object_is_type(json_object_array_get_idx(arch, 0), json_type_string)) {
+		r = ro_errf(err, errlen, -EINVAL, "%s: no \"architectures\" list", path);
+		goto out;
+	}
+	an = json_object_get_string(json_object_array_get_idx(arch, 0));
+	if (!strcmp(an, "Qwen3MoeForCausalLM")) {
+		c->arch = RO_ARCH_QWEN3_MOE;
+	} else if (!strcmp(an, "MixtralForCausalLM")) {
+		c->arch = RO_ARCH_MIXTRAL;
+	} else {
+		r = ro_errf(err, errlen, -ENOTSUP,
+			    "%s: architecture %s is not supported (Qwen3MoeForCausalLM, "
+			    "MixtralForCausalLM)",
+			    path, an);
+		goto out;
+	}
+	c->rope_theta = c->arch == RO_ARCH_MIXTRAL ? 1e6 : 10000.0;
+	c->rms_eps = 1e-6;
+	c->sparse_step = 1;
+	c->norm_topk = c->arch == RO_ARCH_MIXTRAL;
+	c->max_pos = 32768;
+	if (!get_u32(o, "vocab_size", &c->vocab, true))
+		bad = "vocab_size";
+	else if (!get_u32(o, "hidden_size", &c->hidden, true))
+		bad = "hidden_size";
+	else if (!get_u32(o, "num_hidden_layers", &c->layers, true))
+		bad = "num_hidden_layers";
+	else if (!get_u32(o, "num_attention_heads", &c->heads, true))
+		bad = "num_attention_heads";
+	else if (!get_u32(o, "num_key_value_heads", &c->kv_heads, false))
+		bad = "num_key_value_heads";
+	else if (!get_u32(o, "head_dim", &c->head_dim, false))
+		bad = "head_dim";
+	else if (!get_u32(o, "num_experts_per_tok", &c->top_k, true))
+		bad = "num_experts_per_tok";
+	else if (!get_u32(o, "intermediate_size", &c->dense_ffn, c->arch == RO_ARCH_MIXTRAL))
+		bad = "intermediate_size";
+	else if (!get_u32(o, "max_position_embeddings", &c->max_pos, false))
+		bad = "max_position_embeddings";
+	else if (!get_num(o, "rope_theta", &c->rope_theta) || !(c->rope_theta > 0))
+		bad = "rope_theta";
+	else if (!get_num(o, "rms_norm_eps", &c->rms_eps) || !(c->rms_eps >= 0))
+		bad = "rms_norm_eps";
+	else if (!get_bool(o, "tie_word_embeddings", &c->tie_embeddings))
+		bad = "tie_word_embeddings";
+	if (!bad && c->arch == RO_ARCH_QWEN3_MOE) {
+		if (!get_u32(o, "num_experts", &c->experts, true))
+			bad = "num_experts";
+		else if (!get_u32(o, "moe_intermediate_size", &c->expert_ffn, true))
+			bad = "moe_intermediate_size";
+		else if (!get_u32(o, "decoder_sparse_step", &c->sparse_step, false))
+			bad = "decoder_sparse_step";
+		else if (!get_bool(o, "norm_topk_prob", &c->norm_topk))
+			bad = "norm_topk_prob";
+	} else if (!bad) {
+		if (!get_u32(o, "num_local_experts", &c->experts, true))
+			bad = "num_local_experts";
+		c->expert_ffn = c->dense_ffn;
+	}
+	if (bad) {
+		r = ro_errf(err, errlen, -EINVAL, "%s: %s is missing or has the wrong type", path,
+			    bad);
+		goto out;
+	}
+	if (!c->kv_heads)
+		c->kv_heads = c->heads;
+	if (!c->head_dim && c->heads)
+		c->head_dim = c->hidden / c->heads;
+	if (!c->sparse_step)
+		c->sparse_step = 1;
+	if (json_object_object_get_ex(o, "mlp_only_layers", &mlp_only) &&
+	    json_object_is_type(mlp_only, json_type_array)) {
+		for (size_t i = 0; i < json_object_array_length(mlp_only); i++) {
+			int64_t l = json_object_get_int64(json_object_array_get_idx(mlp_only, i));
+
+			if (l < 0 || l >= 64 || l >= (int64_t)c->layers) {
+				r = ro_errf(err, errlen, -EINVAL, "%s: mlp_only_layers: bad layer %lld",
+					    path, (long long)l);
+				goto out;
+			}
+			c->dense_layers |= 1ULL << l;
+		}
+	}
+	if (c->vocab < 2 || c->hidden < 1 || c->layers < 1 || c->layers > 1024 || c->heads < 1 ||
+	    c->kv_heads < 1 || c->heads % c->kv_heads || c->head_dim < 2 || c->head_dim % 2 ||
+	    c->experts < 1 || c->experts > 4096 || c->top_k < 1 || c->top_k > c->experts ||
+	    c->expert_ffn < 1 || c->hidden > 65536 || c->head_dim > 1024) {
+		r = ro_errf(err, errlen, -EINVAL,
+			    "%s: inconsistent sizes (heads %u, kv_heads %u, head_dim %u, experts %u, "
+			    "top_k %u)",
+			    path, c->heads, c->kv_heads, c->head_dim, c->experts, c->top_k);
+		goto out;
+	}
+	for (uint32_t l = 0; l < c->layers && l < 64; l++)
+		if ((l + 1) % c->sparse_step)
+			c->dense_layers |= 1ULL << l;
+	if (c->dense_layers && !c->dense_ffn) {
+		r = ro_errf(err, errlen, -EINVAL, "%s: dense layers need intermediate_size", path);
+		goto out;
+	}
+	r = 0;
+out:
+	json_object_put(o);
+	return r;
+}
+
+/* ---- weights --------------------------------------------------------------------------- */
+
+static int tensor(struct ro_model *m, const char *name, uint64_t d0, uint64_t d1,
+		  const struct ro_tensor **ret, char *err, size_t errlen)
+{
+	const struct ro_tensor *t = ro_st_find(m->st, name);
+
+	if (!t)
+		return ro_errf(err, errlen, -ENOENT, "tensor %s is missing", name);
+	if ((d1 && (t->ndim != 2 || t->shape[0] != d0 || t->shape[1] != d1)) ||
+	    (!d1 && (t->ndim != 1 || t->shape[0] != d0)))
+		return ro_errf(err, errlen, -EINVAL,
+			       "tensor %s has shape [%llu%s%llu], want [%llu%s%llu]", name,
+			       (unsigned long long)t->shape[0], t->ndim > 1 ? ", " : "",
+			       t->ndim > 1 ? (unsigned long long)t->shape[1] : 0ULL,
+			       (unsigned long long)d0, d1 ? ", " : "", (unsigned long long)d1);
+	*ret = t;
+	return 0;
+}
+
+static int own(struct ro_model *m, void *p)
+{
+	void **o = realloc(m->owned, (m->n_owned + 1) * sizeof(*o));
+
+	if (!o) {
+		free(p);
+		return -ENOMEM;
+	}
+	m->owned = o;
+	m->owned[m->n_owned++] = p;
+	return 0;
+}
+
+static int vec(struct ro_model *m, const char *name, uint64_t n, float **ret, char *err,
+	       size_t errlen)
+{
+	const struct ro_tensor *t;
+	float *v;
+	int r = tensor(m, name, n, 0, &t, err, errlen);
+
+	if (r)
+		return r;
+	v = malloc(n * sizeof(*v));
+	if (!v)
+		return -ENOMEM;
+	for (uint64_t i = 0; i < n; i++)
+		v[i] = t->dtype == RO_F32    ? ((const float *)t->data)[i]
+		       : t->dtype == RO_BF16 ? ro_bf16_to_f32(((const uint16_t *)t->data)[i])
+					     : ro_f16_to_f32(((const uint16_t *)t->data)[i]);
+	*ret = v;
+	return own(m, v);
+}
+
+static int mat(struct ro_model *m, const char *name, uint32_t rows, uint32_t cols,
+	       struct ro_mat *ret, char *err, size_t errlen)
+{
+	const struct ro_tensor *t;
+	int r = tensor(m, name, rows, cols, &t, err, errlen);
+
+	if (r)
+		return r;
+	ret->rows = rows;
+	ret->cols = cols;
+	if (t->dtype == RO_F16) { /* no f16 kernel: widen once */
+		size_t n = (size_t)rows * cols;
+		float *w = malloc(n * sizeof(*w));
+
+		if (!w)
+			return -ENOMEM;
+		for (size_t i = 0; i < n; i++)
+			w[i] = ro_f16_to_f32(((const uint16_t *)t->data)[i]);
+		ret->w = w;
+		ret->dtype = RO_F32;
+		return own(m, w);
+	}
+	ret->w = t->data;
+	ret->dtype = t->dtype;
+	return 0;
+}
+
+static int load_layer(struct ro_model *m, uint32_t l, char *err, size_t errlen)
+{
+	const struct ro_model_config *c = &m->c;
+	struct layer *L = &m->L[l];
+	const uint32_t H = c->hidden, qd = c->heads * c->head_dim, kvd = c->kv_heads * c->head_dim;
+	char n[256];
+	int r;
+
+#define NAME(...) (snprintf(n, sizeof(n), __VA_ARGS__), n)
+	if ((r = vec(m, NAME("model.layers.%u.input_layernorm.weight", l), H, &L->in_norm, err,
+		     errlen)) ||
+	    (r = vec(m, NAME("model.layers.%u.post_attention_layernorm.weight", l), H,
+		     &L->post_norm, err, errlen)) ||
+	    (r = mat(m, NAME("model.layers.%u.self_attn.q_proj.weight", l), qd, H, &L->q, err,
+		     errlen)) ||
+	    (r = mat(m, NAME("model.layers.%u.self_attn.k_proj.weight", l), kvd, H, &L->k, err,
+		     errlen)) ||
+	    (r = mat(m, NAME("model.layers.%u.self_attn.v_proj.weight", l), kvd, H, &L->v, err,
+		     errlen)) ||
+	    (r = mat(m, NAME("model.layers.%u.self_attn.o_proj.weight", l), H, qd, &L->o, err,
+		     errlen)))
+		return r;
+	if (c->arch == RO_ARCH_QWEN3_MOE &&
+	    ((r = vec(m, NAME("model.layers.%u.self_attn.q_norm.weight", l), c->head_dim,
+		      &L->q_norm, err, errlen)) ||
+	     (r = vec(m, NAME("model.layers.%u.self_attn.k_norm.weight", l), c->head_dim,
+		      &L->k_norm, err, errlen))))
+		return r;
+	L->dense = l < 64 && (c->dense_layers >> l & 1);
+	L->n_mlp = L->dense ? 1 : c->experts;
+	L->ffn = L->dense ? c->dense_ffn : c->expert_ffn;
+	L->gate = calloc(L->n_mlp, sizeof(*L->gate));
+	L->up = calloc(L->n_mlp, sizeof(*L->up));
+	L->down = calloc(L->n_mlp, sizeof(*L->down));
+	if (!L->gate || !L->up || !L->down)
+		return -ENOMEM;
+	if (L->dense) {
+		return (r = mat(m, NAME("model.layers.%u.mlp.gate_proj.weight", l), L->ffn, H,
+				&L->gate[0], err, errlen)) ||
+			       (r = mat(m, NAME("model.layers.%u.mlp.up_proj.weight", l), L->ffn, H,
+					&L->up[0], err, errlen)) ||
+			       (r = mat(m, NAME("model.layers.%u.mlp.down_proj.weight", l), H,
+					L->ffn, &L->down[0], err, errlen))
+			   ? r
+			   : 0;
+	}
+	{
+		const bool q3 = c->arch == RO_ARCH_QWEN3_MOE;
+		const char *blk = q3 ? "mlp" : "block_sparse_moe";
+		const char *g = q3 ? "gate_proj" : "w1", *u = q3 ? "up_proj" : "w3",
+			   *d = q3 ? "down_proj" : "w2";
+
+		r = mat(m, NAME("model.layers.%u.%s.gate.weight", l, blk), c->experts, H, &L->router,
+			err, errlen);
+		for (uint32_t e = 0; !r && e < c->experts; e++) {
+			if ((r = mat(m, NAME("model.layers.%u.%s.experts.%u.%s.weight", l, blk, e, g),
+				     L->ffn, H, &L->gate[e], err, errlen)) ||
+			    (r = mat(m, NAME("model.layers.%u.%s.experts.%u.%s.weight", l, blk, e, u),
+				     L->ffn, H, &L->up[e], err, errlen)) ||
+			    (r = mat(m, NAME("model.layers.%u.%s.experts.%u.%s.weight", l, blk, e, d),
+				     H, L->ffn, &L->down[e], err, errlen)))
+				break;
+		}
+	}
+#undef NAME
+	return r;
+}
+
+int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_model **ret,
+		  char *err, size_t errlen)
+{
+	struct ro_model *m = calloc(1, sizeof(*m));
+	long ncpu;
+	uint32_t threads;
+	int r;
+
+	if (!m)
+		return -ENOMEM;
+	r = parse_config(dir, &m->c, err, errlen);
+	if (r)
+		goto fail;
+	r = ro_st_open_dir(dir, &m->st, err, errlen);
+	if (r)
+		goto fail;
+	r = tensor(m, "model.embed_tokens.weight", m->c.vocab, m->c.hidden, &m->embed, err,
+		   errlen);
+	if (r)
+		goto fail;
+	(void)snprintf(m->c.dtype, sizeof(m->c.dtype), "%s",
+		       m->embed->dtype == RO_F32 ? "F32" : m->embed->dtype == RO_BF16 ? "BF16"
+										      : "F16");
+	m->L = calloc(m->c.layers, sizeof(*m->L));
+	if (!m->L) {
+		r = -ENOMEM;
+		goto fail;
+	}
+	for (uint32_t l = 0; l < m->c.layers; l++) {
+		r = load_layer(m, l, err, errlen);
+		if (r)
+			goto fail;
+	}
+	r = vec(m, "model.norm.weight", m->c.hidden, &m->final_norm, err, errlen);
+	if (r)
+		goto fail;
+	if (ro_st_find(m->st, "lm_head.weight") || !m->c.tie_embeddings)
+		r = mat(m, "lm_head.weight", m->c.vocab, m->c.hidden, &m->head, err, errlen);
+	else
+		r = mat(m, "model.embed_tokens.weight", m->c.vocab, m->c.hidden, &m->head, err,
+			errlen);
+	if (r)
+		goto fail;
+	ro_kernels_force_scalar(o && o->scalar);
+	ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+	threads = o && o->threads ? o->threads : (uint32_t)(ncpu > 0 ? ncpu : 1);
+	r = ro_pool_new(threads, &m->pool);
+	if (r)
+		goto fail;
+	*ret = m;
+	return 0;
+fail:
+	if (r == -ENOMEM)
+		(void)ro_errf(err, errlen, r, "%s: out of memory", dir);
+	ro_model_free(m);
+	return r;
+}
+
+struct ro_model *ro_model_free(struct ro_model *m)
+{
+	if (!m)
+		return NULL;
+	ro_pool_free(m->pool);
+	for (uint32_t l = 0; m->L && l < m->c.layers; l++) {
+		free(m->L[l].gate);
+		free(m->L[l].up);
+		free(m->L[l].down);
+	}
+	free(m->L);
+	for (size_t i = 0; i < m->n_owned; i++)
+		free(m->owned[i]);
+	free(m->owned);
+	free(m->ws);
+	ro_st_free(m->st);
+	free(m);
+	return NULL;
+}
+
+const struct ro_model_config *ro_model_config(const struct ro_model *m)
+{
+	return &m->c;
+}
+
+const char *ro_model_kernels(const struct ro_model *m)
+{
+	(void)m;
+	return ro_kernels_name();
+}
+
+uint32_t ro_model_threads(const struct ro_model *m)
+{
+	return ro_pool_size(m->pool);
+}
+
+static uint64_t mat_bytes(const struct ro_mat *w)
+{
+	return (uint64_t)w->rows * w->cols * ro_dtype_size(w->dtype);
+}
+
+void ro_model_sizes(const struct ro_model *m, uint64_t *ret_total, uint64_t *ret_active)
+{
+	uint64_t total = m->embed->bytes, active = 0;
+
+	if (m->head.w != m->embed->data)
+		total += mat_bytes(&m->head);
+	active += mat_bytes(&m->head);
+	for (uint32_t l = 0; l < m->c.layers; l++) {
+		const struct layer *L = &m->L[l];
+		uint64_t attn = mat_bytes(&L->q) + mat_bytes(&L->k) + mat_bytes(&L->v) +
+				mat_bytes(&L->o);
+		uint64_t one = mat_bytes(&L->gate[0]) + mat_bytes(&L->up[0]) + mat_bytes(&L->down[0]);
+
+		total += attn + one * L->n_mlp + (L->dense ? 0 : mat_bytes(&L->router));
+		active += attn + one * (L->dense ? 1 : m->c.top_k) +
+			  (L->dense ? 0 : mat_bytes(&L->router));
+	}
+	*ret_total = total;
+	*ret_active = active;
+}
+
+/* ---- sequences ------------------------------------------------------------------------- */
+
+static size_t kv_row(const struct ro_model *m)
+{
+	return (size_t)m->c.kv_heads * m->c.head_dim;
+}
+
+int ro_seq_new(struct ro_model *m, uint32_t max_len, struct ro_seq **ret)
+{
+	struct ro_seq *s = calloc(1, sizeof(*s));
+
+	if (!s)
+		return -ENOMEM;
+	s->m = m;
+	s->max = max_len ? max_len : m->c.max_pos;
+	*ret = s;
+	return 0;
+}
+
+struct ro_seq *ro_seq_free(struct ro_seq *s)
+{
+	if (!s)
+		return NULL;
+	free(s->k);
+	free(s->v);
+	free(s);
+	return NULL;
+}
+
+static int seq_reserve(struct ro_seq *s, uint32_t need)
+{
+	const struct ro_model *m = s->m;
+	size_t row = kv_row(m), L = m->c.layers;
+	uint32_t cap = s->cap ? s->cap : 64;
+	float *k, *v;
+
+	if (need <= s->cap)
+		return 0;
+	if (need > s->max)
+		return -ENOSPC;
+	while (cap < need)
+		cap *= 2;
+	if (cap > s->max)
+		cap = s->max;
+	k = malloc(L * cap * row * sizeof(float));
+	v = malloc(L * cap * row * sizeof(float));
+	if (!k || !v) {
+		free(k);
+		free(v);
+		return -ENOMEM;
+	}
+	for (size_t l = 0; l < L && s->len; l++) {
+		memcpy(k + l * cap * row, s->k + l * s->cap * row, s->len * row * sizeof(float));
+		memcpy(v + l * cap * row, s->v + l * s->cap * row, s->len * row * sizeof(float));
+	}
+	free(s->k);
+	free(s->v);
+	s->k = k;
+	s->v = v;
+	s->cap = cap;
+	return 0;
+}
+
+int ro_seq_fork(const struct ro_seq *src, struct ro_seq **ret)
+{
+	struct ro_seq *s;
+	int r = ro_seq_new(src->m, src->max, &s);
+
+	if (r)
+		return r;
+	r = seq_reserve(s, src->len ? src->len : 1);
+	if (r) {
+		ro_seq_free(s);
+		return r;
+	}
+	for (size_t l = 0; l < src->m->c.layers && src->len; l++) {
+		size_t row = kv_row(src->m);
+
+		memcpy(s->k + l * s->cap * row, src->k + l * src->cap * row,
+		       src->len * row * sizeof(float));
+		memcpy(s->v + l * s->cap * row, src->v + l * src->cap * row,
+		       src->len * row * sizeof(float));
+	}
+	s->len = src->len;
+	*ret = s;
+	return 0;
+}
+
+uint32_t ro_seq_len(const struct ro_seq *s)
+{
+	return s->len;
+}
+
+uint32_t ro_seq_max(const struct ro_seq *s)
+{
+	return s->max;
+}
+
+void ro_seq_truncate(struct ro_seq *s, uint32_t len)
+{
+	if (len < s->len)
+		s->len = len;
+}
+
+/* ---- per-token pieces -------------------------------------------------------------------- */
+
+static void rmsnorm(const float *x, const float *w, uint32_t n, double eps, float *out)
+{
+	double ss = 0;
+	float scale;
+
+	for (uint32_t i = 0; i < n; i++)
+		ss += (double)x[i] * x[i];
+	scale = (float)(1.0 / sqrt(ss / n + eps));
+	for (uint32_t i = 0; i < n; i++)
+		out[i] = w[i] * (x[i] * scale);
+}
+
+static void rope(float *v, const float *cs, const float *sn, uint32_t hd)
+{
+	const uint32_t h = hd / 2;
+
+	for (uint32_t i = 0; i < h; i++) {
+		float a = v[i], b = v[i + h];
+
+		v[i] = a * cs[i] - b * sn[i];
+		v[i + h] = b * cs[i] + a * sn[i];
+	}
+}
+
+static float dotf(const float *a, const float *b, uint32_t n)
+{
+	float acc[8] = {0}, s;
+	uint32_t n8 = n & ~7u;
+
+	for (uint32_t k = 0; k < n8; k += 8)
+		for (int l = 0; l < 8; l++)
+			acc[l] = acc[l] + a[k + l] * b[k + l];
+	s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+	for (uint32_t k = n8; k < n; k++)
+		s = s + a[k] * b[k];
+	return s;
+}
+
+/* ---- the batch ------------------------------------------------------------------------- */
+
+struct gemm_job {
+	const struct ro_mat *W;
+	const float *x;
+	uint32_t T;
+	float *y;
+	uint32_t ldy, r0, r1;
+};
+
+struct jobs {
+	struct gemm_job *j;
+	uint32_t n, cap;
+};
+
+static int jobs_add(struct jobs *J, const struct ro_mat *W, const float *x, uint32_t T,
+		    float *y, uint32_t ldy, uint32_t chunk)
+{
+	for (uint32_t r0 = 0; r0 < W->rows; r0 += chunk) {
+		if (J->n == J->cap) {
+			uint32_t cap = J->cap ? J->cap * 2 : 256;
+			struct gemm_job *nj = realloc(J->j, cap * sizeof(*nj));
+
+			if (!nj)
+				return -ENOMEM;
+			J->j = nj;
+			J->cap = cap;
+		}
+		J->j[J->n++] = (struct gemm_job){W, x, T, y, ldy, r0,
+						 r0 + chunk < W->rows ? r0 + chunk : W->rows};
+	}
+	return 0;
+}
+
+static void run_job(void *arg, uint32_t i)
+{
+	const struct gemm_job *j = &((const struct jobs *)arg)->j[i];
+
+	ro_gemm_rows(j->W, j->x, j->T, j->y, j->ldy, j->r0, j->r1);
+}
+
+/* Rows per task: enough tasks to balance the threads, each big enough to amortize. */
+static uint32_t chunk_for(const struct ro_model *m, uint32_t rows, uint32_t T, uint32_t mats)
+{
+	uint32_t th = ro_pool_size(m->pool), want = th * 4 / (mats ? mats : 1);
+	uint32_t c;
+
+	if (want < 1)
+		want = 1;
+	c = (rows + want - 1) / want;
+	c = (c + 3) & ~3u;
+	if (c < 16)
+		c = 16;
+	(void)T;
+	return c;
+}
+
+static int run_jobs(struct ro_model *m, struct jobs *J)
+{
+	ro_pool_for(m->pool, J->n, run_job, J);
+	J->n = 0;
+	return 0;
+}
+
+struct fwd {
+	struct ro_model *m;
+	uint32_t T, layer;
+	struct ro_seq **seq;
+	uint32_t *pos;
+	float *x, *h, *q, *k, *v, *att, *cs, *sn, *scores;
+	uint32_t max_ctx;
+};
+
+static void attend_one(void *arg, uint32_t i)
+{
+	struct fwd *f = arg;
+	const struct ro_model_config *c = &f->m->c;
+	const uint32_t hd = c->head_dim, t = i / c->heads, hh = i % c->heads;
+	const uint32_t kvh = hh / (c->heads / c->kv_heads), row = c->kv_heads * hd;
+	const struct ro_seq *s = f->seq[t];
+	const uint32_t n = f->pos[t] + 1;
+	const float *q = f->q + (size_t)t * c->heads * hd + (size_t)hh * hd;
+	const float *K = s->k + (size_t)f->layer * s->cap * row + (size_t)kvh * hd;
+	const float *V = s->v + (size_t)f->layer * s->cap * row + (size_t)kvh * hd;
+	float *sc = f->scores + (size_t)i * f->max_ctx;
+	float *out = f->att + (size_t)t * c->heads * hd + (size_t)hh * hd;
+	const float scale = (float)(1.0 / sqrt((double)hd));
+	float mx = -INFINITY, sum = 0;
+
+	/* keys in position order, one pass each: the same arithmetic for a query whether
+	 * its neighbours in the chunk came before it in this call or in an earlier one */
+	for (uint32_t p = 0; p < n; p++) {
+		sc[p] = dotf(q, K + (size_t)p * row, hd) * scale;
+		if (sc[p] > mx)
+			mx = sc[p];
+	}
+	for (uint32_t p = 0; p < n; p++) {
+		sc[p] = expf(sc[p] - mx);
+		sum += sc[p];
+	}
+	for (uint32_t d = 0; d < hd; d++)
+		out[d] = 0;
+	for (uint32_t p = 0; p < n; p++) {
+		const float w = sc[p] / sum;
+		const float *vr = V + (size_t)p * row;
+
+		for (uint32_t d = 0; d < hd; d++)
+			out[d] = out[d] + w * vr[d];
+	}
+}
+
+static void qk_rope_store(void *arg, uint32_t t)
+{
+	struct fwd *f = arg;
+	const struct ro_model_config *c = &f->m->c;
+	const struct layer *L = &f->m->L[f->layer];
+	const uint32_t hd = c->head_dim, row = c->kv_heads * hd;
+	struct ro_seq *s = f->seq[t];
+	float *q = f->q + (size_t)t * c->heads * hd, *k = f->k + (size_t)t * row;
+	const float *cs = f->cs + (size_t)t * hd / 2, *sn = f->sn + (size_t)t * hd / 2;
+
+	for (uint32_t hh = 0; hh < c->heads; hh++) {
+		if (L->q_norm)
+			rmsnorm(q + hh * hd, L->q_norm, hd, c->rms_eps, q + hh * hd);
+		rope(q + hh * hd, cs, sn, hd);
+	}
+	for (uint32_t hh = 0; hh < c->kv_heads; hh++) {
+		if (L->k_norm)
+			rmsnorm(k + hh * hd, L->k_norm, hd, c->rms_eps, k + hh * hd);
+		rope(k + hh * hd, cs, sn, hd);
+	}
+	memcpy(s->k + (size_t)f->layer * s->cap * row + (size_t)f->pos[t] * row, k,
+	       row * sizeof(float));
+	memcpy(s->v + (size_t)f->layer * s->cap * row + (size_t)f->pos[t] * row,
+	       f->v + (size_t)t * row, row * sizeof(float));
+}
+
+int ro_model_expert(struct ro_model *m, uint32_t layer, uint32_t e, const float *x, uint32_t n,
+		    float *y)
+{
+	const struct layer *L;
+	float *g, *u;
+	struct jobs J = {0};
+	int r = 0;
+
+	if (layer >= m->c.layers || m->L[layer].dense || e >= m->c.experts)
+		return -EINVAL;
+	if (!n)
+		return 0;
+	L = &m->L[layer];
+	g = malloc((size_t)n * L->ffn * sizeof(float) * 2);
+	if (!g)
+		return -ENOMEM;
+	u = g + (size_t)n * L->ffn;
+	r = jobs_add(&J, &L->gate[e], x, n, g, L->ffn, chunk_for(m, L->ffn, n, 2));
+	if (!r)
+		r = jobs_add(&J, &L->up[e], x, n, u, L->ffn, chunk_for(m, L->ffn, n, 2));
+	if (!r) {
+		run_jobs(m, &J);
+		for (size_t i = 0; i < (size_t)n * L->ffn; i++)
+			g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+		r = jobs_add(&J, &L->down[e], g, n, y, m->c.hidden,
+			     chunk_for(m, m->c.hidden, n, 1));
+	}
+	if (!r)
+		run_jobs(m, &J);
+	free(J.j);
+	free(g);
+	return r;
+}
+
+/* Route each token: softmax over the router's logits, top-k (ties to the lower index),
+ * renormalized when configured, then sorted by expert index for the combine. */
+static void route(const struct ro_model_config *c, const float *logits, int32_t *ids, float *w)
+{
+	const uint32_t E = c->experts, K = c->top_k;
+	float mx = -INFINITY;
+	double sum = 0, ksum = 0;
+
+	for (uint32_t e = 0; e < E; e++)
+		if (logits[e] > mx)
+			mx = logits[e];
+	for (uint32_t e = 0; e < E; e++)
+		sum += exp((double)logits[e] - mx);
+	for (uint32_t j = 0; j < K; j++) {
+		int32_t best = -1;
+
+		for (uint32_t e = 0; e < E; e++) {
+			bool taken = false;
+
+			for (uint32_t i = 0; i < j && !taken; i++)
+				taken = ids[i] == (int32_t)e;
+			if (!taken && (best < 0 || logits[e] > logits[best]))
+				best = (int32_t)e;
+		}
+		ids[j] = best;
+		w[j] = (float)(exp((double)logits[best] - mx) / sum);
+		ksum += w[j];
+	}
+	if (c->norm_topk)
+		for (uint32_t j = 0; j < K; j++)
+			w[j] = (float)(w[j] / ksum);
+	for (uint32_t j = 1; j < K; j++) /* insertion sort by expert id */
+		for (uint32_t i = j; i > 0 && ids[i - 1] > ids[i]; i--) {
+			int32_t ti = ids[i];
+			float tw = w[i];
+
+			ids[i] = ids[i - 1];
+			w[i] = w[i - 1];
+			ids[i - 1] = ti;
+			w[i - 1] = tw;
+		}
+}
+
+/* Every selected expert's output for every token, computed here: gather each expert's
+ * tokens, run gate/up for all experts at once, then down, then scatter back. */
+static int local_experts(struct ro_model *m, uint32_t l, const float *x, const int32_t *ids,
+			 uint32_t T, float *out, float *scratch)
+{
+	const struct ro_model_config *c = &m->c;
+	const struct layer *L = &m->L[l];
+	const uint32_t E = c->experts, K = c->top_k, H = c->hidden, F = L->ffn;
+	const size_t TK = (size_t)T * K;
+	uint32_t *cnt = calloc(E + 1, sizeof(*cnt)), *off = calloc(E + 1, sizeof(*off));
+	uint32_t *slot = malloc(TK * sizeof(*slot)); /* gathered row -> token*K + j */
+	float *xe = scratch, *g = xe + TK * H, *u = g + TK * F, *ye = u + TK * F;
+	struct jobs J = {0};
+	int r = 0;
+
+	if (!cnt || !off || !slot) {
+		r = -ENOMEM;
+		goto out;
+	}
+	for (size_t i = 0; i < TK; i++)
+		cnt[ids[i]]++;
+	for (uint32_t e = 0; e < E; e++)
+		off[e + 1] = off[e] + cnt[e];
+	memset(cnt, 0, (E + 1) * sizeof(*cnt));
+	for (size_t i = 0; i < TK; i++) {
+		uint32_t e = (uint32_t)ids[i], row = off[e] + cnt[e]++;
+
+		slot[row] = (uint32_t)i;
+		memcpy(xe + (size_t)row * H, x + (i / K) * H, H * sizeof(float));
+	}
+	for (uint32_t e = 0; e < E && !r; e++) {
+		uint32_t n = off[e + 1] - off[e];
+
+		if (!n)
+			continue;
+		r = jobs_add(&J, &L->gate[e], xe + (size_t)off[e] * H, n, g + (size_t)off[e] * F, F,
+			     chunk_for(m, F, n, 2 * K));
+		if (!r)
+			r = jobs_add(&J, &L->up[e], xe + (size_t)off[e] * H, n,
+				     u + (size_t)off[e] * F, F, chunk_for(m, F, n, 2 * K));
+	}
+	if (r)
+		goto out;
+	run_jobs(m, &J);
+	for (size_t i = 0; i < TK * F; i++)
+		g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+	for (uint32_t e = 0; e < E && !r; e++) {
+		uint32_t n = off[e + 1] - off[e];
+
+		if (n)
+			r = jobs_add(&J, &L->down[e], g + (size_t)off[e] * F, n,
+				     ye + (size_t)off[e] * H, H, chunk_for(m, H, n, K));
+	}
+	if (r)
+		goto out;
+	run_jobs(m, &J);
+	for (size_t row = 0; row < TK; row++)
+		memcpy(out + (size_t)slot[row] * H, ye + row * H, H * sizeof(float));
+out:
+	free(J.j);
+	free(cnt);
+	free(off);
+	free(slot);
+	return r;
+}
+
+static float *ws_get(struct ro_model *m, size_t floats)
+{
+	if (floats > m->ws_len) {
+		float *p = realloc(m->ws, floats * sizeof(float));
+
+		if (!p)
+			return NULL;
+		m->ws = p;
+		m->ws_len = floats;
+	}
+	return m->ws;
+}
+
+void ro_model_set_exchange(struct ro_model *m, const struct ro_moe_exchange *x)
+{
+	m->have_xch = x != NULL;
+	if (x)
+		m->xch = *x;
+}
+
+int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count)
+{
+	const struct ro_model_config *c = &m->c;
+	const uint32_t H = c->hidden, hd = c->head_dim, qd = c->heads * hd,
+		       kvd = c->kv_heads * hd, K = c->top_k;
+	uint32_t T = 0, n_out = 0, F = c->expert_ffn > c->dense_ffn ? c->expert_ffn : c->dense_ffn;
+	struct fwd f = {.m = m};
+	struct jobs J = {0};
+	int32_t *ids = NULL;
+	float *rw = NULL;
+	uint32_t *out_tok = NULL;
+	size_t need;
+	float *p;
+	int r = 0;
+
+	for (size_t i = 0; i < count; i++) {
+		if (!items[i].seq || (!items[i].tokens && items[i].n))
+			return -EINVAL;
+		if (items[i].seq->len + items[i].n > items[i].seq->max)
+			return -ENOSPC;
+		for (uint32_t j = 0; j < items[i].n; j++)
+			if (items[i].tokens[j] < 0 || (uint32_t)items[i].tokens[j] >= c->vocab)
+				return -EINVAL;
+		for (size_t k = 0; k < i; k++)
+			if (items[k].seq == items[i].seq)
+				return -EINVAL; /* one entry per sequence and batch */
+		T += items[i].n;
+		n_out += items[i].all_logits ? items[i].n : (items[i].n ? 1 : 0);
+		if (items[i].seq->len + items[i].n > f.max_ctx)
+			f.max_ctx = items[i].seq->len + items[i].n;
+	}
+	if (!T)
+		return 0;
+	for (size_t i = 0; i < count; i++) {
+		r = seq_reserve(items[i].seq, items[i].seq->len + items[i].n);
+		if (r)
+			return r;
+	}
+	need = (size_t)T * (H * 2 + qd * 2 + kvd * 2 + hd) + (size_t)T * c->heads * f.max_ctx +
+	       (size_t)T * K * H + /* moe out */
+	       (size_t)T * K * (H * 2 + F * 2) + (size_t)T * (F * 2 + H) + (size_t)T * c->experts;
+	p = ws_get(m, need);
+	f.seq = malloc(T * sizeof(*f.seq));
+	f.pos = malloc(T * sizeof(*f.pos));
+	ids = malloc((size_t)T * K * sizeof(*ids));
+	rw = malloc((size_t)T * K * sizeof(*rw));
+	out_tok = malloc((size_t)n_out * sizeof(*out_tok));
+	if (!p || !f.seq || !f.pos || !ids || !rw || (n_out && !out_tok)) {
+		r = -ENOMEM;
+		goto out;
+	}
+	f.T = T;
+	f.x = p;
+	f.h = f.x + (size_t)T * H;
+	f.q = f.h + (size_t)T * H;
+	f.att = f.q + (size_t)T * qd;
+	f.k = f.att + (size_t)T * qd;
+	f.v = f.k + (size_t)T * kvd;
+	f.cs = f.v + (size_t)T * kvd;
+	f.sn = f.cs + (size_t)T * hd / 2;
+	f.scores = f.sn + (size_t)T * hd / 2;
+	{
+		float *moe_out = f.scores + (size_t)T * c->heads * f.max_ctx;
+		float *scratch = moe_out + (size_t)T * K * H;
+		float *router = scratch + (size_t)T * K * (H * 2 + F * 2) + (size_t)T * (F * 2 + H);
+		uint32_t t = 0, o = 0;
+
+		for (size_t i = 0; i < count; i++) {
+			for (uint32_t j = 0; j < items[i].n; j++, t++) {
+				struct ro_seq *s = items[i].seq;
+				const size_t e = (size_t)items[i].tokens[j] * H;
+
+				f.seq[t] = s;
+				f.pos[t] = s->len + j;
+				for (uint32_t d = 0; d < H; d++)
+					f.x[(size_t)t * H + d] =
+					    m->embed->dtype == RO_F32
+						? ((const float *)m->embed->data)[e + d]
+					    : m->embed->dtype == RO_BF16
+						? ro_bf16_to_f32(
+						      ((const uint16_t *)m->embed->data)[e + d])
+						: ro_f16_to_f32(
+						      ((const uint16_t *)m->embed->data)[e + d]);
+				/* HF computes inv_freq and the angles in float32 */
+				for (uint32_t d = 0; d < hd / 2; d++) {
+					float inv = (float)(1.0 / pow(c->rope_theta, (double)(2 * d) / hd));
+					float ang = (float)f.pos[t] * inv;
+
+					f.cs[(size_t)t * hd / 2 + d] = cosf(ang);
+					f.sn[(size_t)t * hd / 2 + d] = sinf(ang);
+				}
+				if (items[i].all_logits || j + 1 == items[i].n)
+					out_tok[o++] = t;
+			}
+		}
+		for (uint32_t l = 0; l < c->layers; l++) {
+			const struct layer *L = &m->L[l];
+
+			f.layer = l;
+			for (t = 0; t < T; t++)
+				rmsnorm(f.x + (size_t)t * H, L->in_norm, H, c->rms_eps,
+					f.h + (size_t)t * H);
+			if ((r = jobs_add(&J, &L->q, f.h, T, f.q, qd, chunk_for(m, qd, T, 3))) ||
+			    (r = jobs_add(&J, &L->k, f.h, T, f.k, kvd, chunk_for(m, kvd, T, 3))) ||
+			    (r = jobs_add(&J, &L->v, f.h, T, f.v, kvd, chunk_for(m, kvd, T, 3))))
+				goto out;
+			run_jobs(m, &J);
+			ro_pool_for(m->pool, T, qk_rope_store, &f);
+			ro_pool_for(m->pool, T * c->heads, attend_one, &f);
+			/* o_proj into h, then the residual */
+			if ((r = jobs_add(&J, &L->o, f.att, T, f.h, H, chunk_for(m, H, T, 1))))
+				goto out;
+			run_jobs(m, &J);
+			for (size_t i = 0; i < (size_t)T * H; i++)
+				f.x[i] = f.x[i] + f.h[i];
+			for (t = 0; t < T; t++)
+				rmsnorm(f.x + (size_t)t * H, L->post_norm, H, c->rms_eps,
+					f.h + (size_t)t * H);
+			if (L->dense) {
+				float *g = scratch, *u = g + (size_t)T * L->ffn,
+				      *y = u + (size_t)T * L->ffn;
+
+				if ((r = jobs_add(&J, &L->gate[0], f.h, T, g, L->ffn,
+						  chunk_for(m, L->ffn, T, 2))) ||
+				    (r = jobs_add(&J, &L->up[0], f.h, T, u, L->ffn,
+						  chunk_for(m, L->ffn, T, 2))))
+					goto out;
+				run_jobs(m, &J);
+				for (size_t i = 0; i < (size_t)T * L->ffn; i++)
+					g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+				if ((r = jobs_add(&J, &L->down[0], g, T, y, H, chunk_for(m, H, T, 1))))
+					goto out;
+				run_jobs(m, &J);
+				for (size_t i = 0; i < (size_t)T * H; i++)
+					f.x[i] = f.x[i] + y[i];
+				continue;
+			}
+			if ((r = jobs_add(&J, &L->router, f.h, T, router, c->experts,
+					  chunk_for(m, c->experts, T, 1))))
+				goto out;
+			run_jobs(m, &J);
+			for (t = 0; t < T; t++)
+				route(c, router + (size_t)t * c->experts, ids + (size_t)t * K,
+				      rw + (size_t)t * K);
+			if (m->have_xch)
+				r = m->xch.exchange(m->xch.ctx, l, f.h, ids, T, K, H, moe_out);
+			else
+				r = local_experts(m, l, f.h, ids, T, moe_out, scratch);
+			if (r)
+				goto out;
+			/* combine: the weighted outputs summed in expert order, then the residual */
+			for (t = 0; t < T; t++) {
+				float *xr = f.x + (size_t)t * H;
+
+				for (uint32_t d = 0; d < H; d++) {
+					float acc = 0;
+
+					for (uint32_t j = 0; j < K; j++)
+						acc = acc + rw[(size_t)t * K + j] *
+								moe_out[((size_t)t * K + j) * H + d];
+					xr[d] = xr[d] + acc;
+				}
+			}
+		}
+		/* final norm and the LM head, only for the rows whose logits are wanted */
+		for (o = 0; o < n_out; o++)
+			rmsnorm(f.x + (size_t)out_tok[o] * H, m->final_norm, H, c->rms_eps,
+				f.h + (size_t)o * H);
+		{
+			float *logits = scratch; /* n_out x vocab may be large: own buffer */
+			float *big = NULL;
+
+			if ((size_t)n_out * c->vocab > (size_t)T * K * (H * 2 + F * 2)) {
+				big = malloc((size_t)n_out * c->vocab * sizeof(float));
+				if (!big) {
+					r = -ENOMEM;
+					goto out;
+				}
+				logits = big;
+			}
+			r = jobs_add(&J, &m->head, f.h, n_out, logits, c->vocab,
+				     chunk_for(m, c->vocab, n_out, 1));
+			if (!r) {
+				run_jobs(m, &J);
+				o = 0;
+				t = 0;
+				for (size_t i = 0; i < count; i++) {
+					uint32_t rows = items[i].all_logits ? items[i].n
+									    : (items[i].n ? 1 : 0);
+
+					if (items[i].logits && rows)
+						memcpy(items[i].logits, logits + (size_t)o * c->vocab,
+						       (size_t)rows * c->vocab * sizeof(float));
+					o += rows;
+				}
+			}
+			free(big);
+		}
+		for (size_t i = 0; i < count && !r; i++)
+			items[i].seq->len += items[i].n;
+	}
+out:
+	free(J.j);
+	free(f.seq);
+	free(f.pos);
+	free(ids);
+	free(rw);
+	free(out_tok);
+	return r;
+}
