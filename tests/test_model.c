@@ -1,0 +1,619 @@
+/* kernels/: numeric agreement with the independent numpy reference (tests/ref/ref_moe.py)
+ * for Qwen3-MoE and Mixtral in f32 and bf16, greedy decoding token for token, batch
+ * invariance and prefill-chunk invariance bitwise, resume from a prefix bitwise, the
+ * sampler, and every bad model file refused with a message naming what is wrong. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kernels/model.h"
+
+static char tmp[64];
+
+static void mk_tmp(void)
+{
+	(void)snprintf(tmp, sizeof(tmp), "/tmp/ro-model-XXXXXX");
+	cr_assert_not_null(mkdtemp(tmp));
+}
+
+static void rm_tmp(void)
+{
+	char cmd[128];
+
+	(void)snprintf(cmd, sizeof(cmd), "rm -rf %s", tmp);
+	(void)system(cmd);
+}
+
+TestSuite(model, .init = mk_tmp, .fini = rm_tmp, .timeout = 120);
+
+static const char *path(const char *sub)
+{
+	static char buf[4][256];
+	static int i;
+
+	i = (i + 1) % 4;
+	(void)snprintf(buf[i], sizeof(buf[i]), "%s/%s", tmp, sub);
+	return buf[i];
+}
+
+static void make(const char *sub, enum ro_arch arch, const char *dtype, uint32_t shards,
+		 uint64_t dense)
+{
+	struct ro_make_model_opts o;
+	char err[256];
+
+	ro_make_model_defaults(&o);
+	o.arch = arch;
+	o.dtype = dtype;
+	o.shards = shards;
+	o.layers = 3;
+	o.dense_layers = dense;
+	o.seed = 7;
+	cr_assert_eq(ro_make_model(&o, path(sub), err, sizeof(err)), 0, "%s", err);
+}
+
+static struct ro_model *load(const char *sub, bool scalar)
+{
+	struct ro_model_opts mo = {.threads = 2, .scalar = scalar};
+	struct ro_model *m = NULL;
+	char err[512] = "";
+
+	cr_assert_eq(ro_model_load(path(sub), &mo, &m, err, sizeof(err)), 0, "%s", err);
+	return m;
+}
+
+/* The python with numpy: $RO_PYTHON, else python3 if it has numpy, else /usr/bin/python3. */
+static const char *python(void)
+{
+	const char *p = getenv("RO_PYTHON");
+
+	if (p && *p)
+		return p;
+	if (system("python3 -c 'import numpy' >/dev/null 2>&1") == 0)
+		return "python3";
+	return "/usr/bin/python3";
+}
+
+static const char *ref_script(void)
+{
+	static char buf[512];
+	const char *src = getenv("RO_SRCDIR");
+
+	(void)snprintf(buf, sizeof(buf), "%s/tests/ref/ref_moe.py", src && *src ? src : RO_SRCDIR);
+	return buf;
+}
+
+/* Reference logits for prompt (and its greedy continuation into greedy[], n_greedy). */
+static float *reference(const char *sub, const int32_t *prompt, uint32_t n, uint32_t V,
+			int32_t *greedy, uint32_t n_greedy)
+{
+	char cmd[2048], ids[512] = "", *out = NULL;
+	size_t cap = 0, got;
+	FILE *f;
+	float *l = malloc((size_t)n * V * sizeof(float));
+	size_t off = 0;
+
+	for (uint32_t i = 0; i < n; i++)
+		off += (size_t)snprintf(ids + off, sizeof(ids) - off, "%s%d", i ? "," : "", prompt[i]);
+	(void)snprintf(cmd, sizeof(cmd), "%s %s --model %s --prompt %s --logits %s --greedy %u",
+		       python(), ref_script(), path(sub), ids, path("ref.f32"), n_greedy);
+	f = popen(cmd, "r");
+	cr_assert_not_null(f);
+	cr_assert_neq(getline(&out, &cap, f), -1, "no output from %s", cmd);
+	cr_assert_eq(pclose(f), 0, "%s failed", cmd);
+	if (n_greedy) {
+		const char *p = strchr(out, '[');
+
+		cr_assert_not_null(p, "%s", out);
+		for (uint32_t i = 0; i < n_greedy; i++) {
+			greedy[i] = (int32_t)strtol(p + 1, (char **)&p, 10);
+		}
+	}
+	free(out);
+	f = fopen(path("ref.f32"), "rb");
+	cr_assert_not_null(f);
+	got = fread(l, sizeof(float), (size_t)n * V, f);
+	(void)fclose(f);
+	cr_assert_eq(got, (size_t)n * V);
+	return l;
+}
+
+static void agree(const char *sub, enum ro_arch arch, const char *dtype, uint32_t shards,
+		  uint64_t dense, bool scalar)
+{
+	static const int32_t prompt[] = {5, 17, 200, 3, 3, 99, 150, 42, 7, 255, 0, 64};
+	const uint32_t n = sizeof(prompt) / sizeof(prompt[0]), G = 8;
+	struct ro_model *m;
+	struct ro_seq *s;
+	float *ref, *got, maxerr = 0, maxabs = 0;
+	int32_t greedy[8], tok;
+	uint32_t V;
+
+	make(sub, arch, dtype, shards, dense);
+	m = load(sub, scalar);
+	V = ro_model_config(m)->vocab;
+	ref = reference(sub, prompt, n, V, greedy, G);
+	got = malloc((size_t)n * V * sizeof(float));
+	cr_assert_eq(ro_seq_new(m, 64, &s), 0);
+	{
+		struct ro_fwd_item it = {s, prompt, n, got, true};
+
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+	}
+	for (size_t i = 0; i < (size_t)n * V; i++) {
+		float e = fabsf(got[i] - ref[i]);
+
+		maxerr = e > maxerr ? e : maxerr;
+		maxabs = fabsf(ref[i]) > maxabs ? fabsf(ref[i]) : maxabs;
+	}
+	/* weights are exact in both (bf16 widens exactly); only the f32 arithmetic differs
+	 * from the float64 reference, so the bf16 bound is the f32 one */
+	cr_expect_leq(maxerr / maxabs, 1e-4, "%s %s: max abs error %g of max |logit| %g", sub,
+		      dtype, maxerr, maxabs);
+	(void)fprintf(stderr, "ref agreement %-12s %-4s %s: max abs err %.3g, relative %.3g\n",
+		      sub, dtype, ro_model_kernels(m), maxerr, maxerr / maxabs);
+	/* greedy decode token for token */
+	tok = ro_sample(got + (size_t)(n - 1) * V, V, &(struct ro_sampling){0}, 0, 0, 0, NULL);
+	for (uint32_t i = 0; i < G; i++) {
+		struct ro_fwd_item it = {s, &tok, 1, got, false};
+
+		cr_expect_eq(tok, greedy[i], "%s: greedy token %u: %d, reference %d", sub, i, tok,
+			     greedy[i]);
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+		tok = ro_sample(got, V, &(struct ro_sampling){0}, 0, 0, 0, NULL);
+	}
+	ro_seq_free(s);
+	ro_model_free(m);
+	free(ref);
+	free(got);
+}
+
+Test(model, qwen3_f32_matches_reference)
+{
+	agree("q3f32", RO_ARCH_QWEN3_MOE, "F32", 1, 0, false);
+}
+
+Test(model, qwen3_bf16_dense_layer_sharded_matches_reference)
+{
+	agree("q3bf16", RO_ARCH_QWEN3_MOE, "BF16", 3, 1ULL << 1, false);
+}
+
+Test(model, mixtral_f32_matches_reference)
+{
+	agree("mxf32", RO_ARCH_MIXTRAL, "F32", 1, 0, false);
+}
+
+Test(model, mixtral_bf16_matches_reference)
+{
+	agree("mxbf16", RO_ARCH_MIXTRAL, "BF16", 1, 0, false);
+}
+
+Test(model, f16_and_portable_kernels_match_reference)
+{
+	agree("q3f16", RO_ARCH_QWEN3_MOE, "F16", 1, 0, true);
+}
+
+/* ---- invariance -------------------------------------------------------------------------- */
+
+static void run_chunks(struct ro_model *m, struct ro_seq *s, const int32_t *p, uint32_t n,
+		       uint32_t chunk, float *last)
+{
+	for (uint32_t i = 0; i < n; i += chunk) {
+		uint32_t c = i + chunk < n ? chunk : n - i;
+		struct ro_fwd_item it = {s, p + i, c, last, false};
+
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+	}
+}
+
+Test(model, prefill_chunking_is_bitwise_invariant)
+{
+	static const int32_t p[] = {1, 9, 8, 100, 31, 4, 4, 4, 250, 17, 66, 12, 90};
+	const uint32_t n = sizeof(p) / sizeof(p[0]);
+	const uint32_t chunks[] = {n, 1, 3, 5};
+	struct ro_model *m;
+	float *base, *cur;
+	uint32_t V;
+
+	make("inv", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	m = load("inv", false);
+	V = ro_model_config(m)->vocab;
+	base = malloc(V * sizeof(float));
+	cur = malloc(V * sizeof(float));
+	for (size_t c = 0; c < sizeof(chunks) / sizeof(chunks[0]); c++) {
+		struct ro_seq *s;
+
+		cr_assert_eq(ro_seq_new(m, 64, &s), 0);
+		run_chunks(m, s, p, n, chunks[c], c ? cur : base);
+		if (c)
+			cr_expect_eq(memcmp(base, cur, V * sizeof(float)), 0,
+				     "chunk %u differs from one prefill", chunks[c]);
+		ro_seq_free(s);
+	}
+	free(base);
+	free(cur);
+	ro_model_free(m);
+}
+
+Test(model, batch_is_bitwise_invariant)
+{
+	/* sequence A decoded alone, then inside batches with other sequences in prefill and
+	 * decode: A's logits are the same bits at every step */
+	static const int32_t pa[] = {3, 1, 4, 1, 5, 9, 2, 6}, pb[] = {2, 7, 1, 8, 2, 8, 1, 8, 2, 8},
+			     pc[] = {100, 101};
+	struct ro_model *m;
+	struct ro_seq *a1, *a2, *b, *c;
+	float *la1, *la2, *lb, *lc;
+	int32_t t1, t2, tb = 0, tc = 0;
+	uint32_t V;
+
+	make("batch", RO_ARCH_MIXTRAL, "BF16", 1, 0);
+	m = load("batch", false);
+	V = ro_model_config(m)->vocab;
+	la1 = malloc(V * sizeof(float));
+	la2 = malloc(V * sizeof(float));
+	lb = malloc(V * sizeof(float));
+	lc = malloc(V * sizeof(float));
+	cr_assert_eq(ro_seq_new(m, 64, &a1), 0);
+	cr_assert_eq(ro_seq_new(m, 64, &a2), 0);
+	cr_assert_eq(ro_seq_new(m, 64, &b), 0);
+	cr_assert_eq(ro_seq_new(m, 64, &c), 0);
+	{
+		struct ro_fwd_item alone = {a1, pa, 8, la1, false};
+		struct ro_fwd_item mixed[2] = {{b, pb, 10, lb, false}, {a2, pa, 8, la2, false}};
+
+		cr_assert_eq(ro_model_forward(m, &alone, 1), 0);
+		cr_assert_eq(ro_model_forward(m, mixed, 2), 0);
+	}
+	cr_expect_eq(memcmp(la1, la2, V * sizeof(float)), 0, "prefill next to another prefill");
+	for (int step = 0; step < 6; step++) {
+		struct ro_fwd_item alone, mixed[3];
+		size_t k = 0;
+
+		t1 = ro_sample(la1, V, &(struct ro_sampling){0}, 0, 0, 0, NULL);
+		t2 = ro_sample(la2, V, &(struct ro_sampling){0}, 0, 0, 0, NULL);
+		cr_assert_eq(t1, t2);
+		tb = ro_sample(lb, V, &(struct ro_sampling){0}, 0, 0, 0, NULL);
+		alone = (struct ro_fwd_item){a1, &t1, 1, la1, false};
+		cr_assert_eq(ro_model_forward(m, &alone, 1), 0);
+		/* varying company: B decoding, C prefilling at step 2, C decoding after */
+		mixed[k++] = (struct ro_fwd_item){b, &tb, 1, lb, false};
+		if (step == 2)
+			mixed[k++] = (struct ro_fwd_item){c, pc, 2, lc, false};
+		else if (step > 2) {
+			tc = ro_sample(lc, V, &(struct ro_sampling){0}, 0, 0, 0, NULL);
+			mixed[k++] = (struct ro_fwd_item){c, &tc, 1, lc, false};
+		}
+		mixed[k++] = (struct ro_fwd_item){a2, &t2, 1, la2, false};
+		cr_assert_eq(ro_model_forward(m, mixed, k), 0);
+		cr_expect_eq(memcmp(la1, la2, V * sizeof(float)), 0, "step %d: batch of %zu", step,
+			     k);
+	}
+	ro_seq_free(a1);
+	ro_seq_free(a2);
+	ro_seq_free(b);
+	ro_seq_free(c);
+	free(la1);
+	free(la2);
+	free(lb);
+	free(lc);
+	ro_model_free(m);
+}
+
+/* Sample n tokens after prompt + prefix, drawing positions from prefix_len on. */
+static void sample_from(struct ro_model *m, const int32_t *prompt, uint32_t plen,
+			const int32_t *prefix, uint32_t k, const struct ro_sampling *sp, uint32_t n,
+			int32_t *out, float *lp)
+{
+	const uint32_t V = ro_model_config(m)->vocab;
+	float *l = malloc(V * sizeof(float));
+	struct ro_seq *s;
+	int32_t *all = malloc((plen + k) * sizeof(*all));
+	uint64_t key = ro_sample_key("u-resume");
+
+	memcpy(all, prompt, plen * sizeof(*all));
+	memcpy(all + plen, prefix, k * sizeof(*all));
+	cr_assert_eq(ro_seq_new(m, 128, &s), 0);
+	{
+		struct ro_fwd_item it = {s, all, plen + k, l, false};
+
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		struct ro_fwd_item it;
+
+		out[i] = ro_sample(l, V, sp, key, 3, k + i, &lp[i]);
+		it = (struct ro_fwd_item){s, &out[i], 1, l, false};
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+	}
+	ro_seq_free(s);
+	free(all);
+	free(l);
+}
+
+Test(model, resume_from_prefix_is_bitwise_identical)
+{
+	static const int32_t prompt[] = {11, 22, 33, 44, 55};
+	const struct ro_sampling sps[] = {
+	    {.temperature = 1.0, .top_p = 1.0, .seed = 42},
+	    {.temperature = 0.7, .top_p = 0.9, .top_k = 20, .seed = 43},
+	};
+	struct ro_model *m;
+
+	make("resume", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	m = load("resume", false);
+	for (size_t c = 0; c < 2; c++) {
+		int32_t full[24], tail[24];
+		float lpf[24], lpt[24];
+
+		sample_from(m, prompt, 5, NULL, 0, &sps[c], 24, full, lpf);
+		for (uint32_t k = 1; k < 24; k += 7) {
+			sample_from(m, prompt, 5, full, k, &sps[c], 24 - k, tail, lpt);
+			cr_expect_eq(memcmp(full + k, tail, (24 - k) * sizeof(int32_t)), 0,
+				     "sampling %zu, resumed at %u: tokens differ", c, k);
+			cr_expect_eq(memcmp(lpf + k, lpt, (24 - k) * sizeof(float)), 0,
+				     "sampling %zu, resumed at %u: logprobs differ", c, k);
+		}
+	}
+	ro_model_free(m);
+}
+
+Test(model, fork_shares_the_prompt_prefill)
+{
+	static const int32_t prompt[] = {1, 2, 3, 4, 5, 6};
+	struct ro_model *m;
+	struct ro_seq *a, *b, *f;
+	float *la, *lf;
+	int32_t t = 9;
+	uint32_t V;
+
+	make("fork", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	m = load("fork", false);
+	V = ro_model_config(m)->vocab;
+	la = malloc(V * sizeof(float));
+	lf = malloc(V * sizeof(float));
+	cr_assert_eq(ro_seq_new(m, 32, &a), 0);
+	cr_assert_eq(ro_seq_new(m, 32, &b), 0);
+	run_chunks(m, a, prompt, 6, 6, la);
+	run_chunks(m, b, prompt, 6, 6, la);
+	cr_assert_eq(ro_seq_fork(b, &f), 0);
+	cr_expect_eq(ro_seq_len(f), 6);
+	run_chunks(m, a, &t, 1, 1, la);
+	run_chunks(m, f, &t, 1, 1, lf);
+	cr_expect_eq(memcmp(la, lf, V * sizeof(float)), 0);
+	/* a full sequence refuses more */
+	{
+		int32_t many[32] = {0};
+		struct ro_fwd_item it = {f, many, 32, lf, false};
+
+		cr_expect_eq(ro_model_forward(m, &it, 1), -ENOSPC);
+		cr_expect_eq(ro_seq_len(f), 7, "a refused batch writes nothing");
+	}
+	{
+		int32_t bad = 100000;
+		struct ro_fwd_item it = {f, &bad, 1, lf, false};
+
+		cr_expect_eq(ro_model_forward(m, &it, 1), -EINVAL, "token outside the vocab");
+	}
+	ro_seq_free(a);
+	ro_seq_free(b);
+	ro_seq_free(f);
+	free(la);
+	free(lf);
+	ro_model_free(m);
+}
+
+/* ---- sampler ----------------------------------------------------------------------------- */
+
+Test(model, sampler)
+{
+	float l[6] = {0.5f, 2.0f, 1.0f, 2.0f, -1.0f, 0.0f}, lp;
+	struct ro_sampling g = {0}, s = {.temperature = 1.0, .top_p = 1.0, .seed = 1};
+	struct ro_sampling k1 = {.temperature = 1.0, .top_k = 1, .top_p = 1.0, .seed = 1};
+	struct ro_sampling p0 = {.temperature = 1.0, .top_p = 0.01, .seed = 1};
+	int counts[6] = {0};
+	double z = 0;
+
+	cr_expect_eq(ro_sample(l, 6, &g, 1, 0, 0, &lp), 1, "greedy: the first of the largest");
+	for (int i = 0; i < 6; i++)
+		z += exp(l[i]);
+	cr_expect_float_eq(lp, (float)(2.0 - log(z)), 1e-6);
+	for (uint32_t pos = 0; pos < 50; pos++) {
+		cr_expect_eq(ro_sample(l, 6, &k1, 7, 0, pos, NULL), 1, "top_k 1 is greedy");
+		cr_expect_eq(ro_sample(l, 6, &p0, 7, 0, pos, NULL), 1, "tiny top_p is greedy");
+	}
+	/* the draw is a function of (seed, unit, sample, position) alone */
+	cr_expect_eq(ro_sample(l, 6, &s, 99, 2, 17, NULL), ro_sample(l, 6, &s, 99, 2, 17, NULL));
+	for (uint32_t pos = 0; pos < 4000; pos++)
+		counts[ro_sample(l, 6, &s, 5, 0, pos, NULL)]++;
+	for (int i = 0; i < 6; i++) {
+		double want = 4000 * exp(l[i]) / z;
+
+		/* 6 sigma of a binomial: a broken stream fails, a fair one does not */
+		cr_expect_leq(fabs(counts[i] - want), 6 * sqrt(want) + 1, "token %d: %d, want %.0f",
+			      i, counts[i], want);
+	}
+	{
+		struct ro_sampling k2 = {.temperature = 1.0, .top_k = 2, .top_p = 1.0, .seed = 3};
+
+		for (uint32_t pos = 0; pos < 200; pos++) {
+			int32_t t = ro_sample(l, 6, &k2, 5, 0, pos, NULL);
+
+			cr_expect(t == 1 || t == 3, "top_k 2 keeps the two largest: got %d", t);
+		}
+	}
+	cr_expect_neq(ro_sample_key("u-1"), ro_sample_key("u-2"));
+}
+
+/* ---- bad model files ---------------------------------------------------------------------- */
+
+static void write_file(const char *p, const void *data, size_t len)
+{
+	FILE *f = fopen(p, "wb");
+
+	cr_assert_not_null(f);
+	cr_assert_eq(fwrite(data, 1, len, f), len);
+	cr_assert_eq(fclose(f), 0);
+}
+
+static void write_str(const char *p, const char *s)
+{
+	write_file(p, s, strlen(s));
+}
+
+static void expect_refused(const char *sub, int want, const char *mention)
+{
+	struct ro_model_opts mo = {.threads = 1};
+	struct ro_model *m = NULL;
+	char err[512] = "";
+	int r = ro_model_load(path(sub), &mo, &m, err, sizeof(err));
+
+	cr_expect_eq(r, want, "%s: got %d (%s), want %d", sub, r, err, want);
+	cr_expect_null(m);
+	cr_expect(strstr(err, mention) != NULL, "%s: message \"%s\" should name \"%s\"", sub, err,
+		  mention);
+}
+
+/* A small valid safetensors file with one header edit applied, written over a model. */
+static void corrupt_header(const char *sub, const char *header, long data_len)
+{
+	char p[256];
+	uint8_t le[8];
+	size_t hl = strlen(header);
+	char *zeros = calloc(1, data_len > 0 ? (size_t)data_len : 1);
+	FILE *f;
+
+	(void)snprintf(p, sizeof(p), "%s/model.safetensors", path(sub));
+	for (int i = 0; i < 8; i++)
+		le[i] = (uint8_t)((uint64_t)hl >> (8 * i));
+	f = fopen(p, "wb");
+	cr_assert_not_null(f);
+	fwrite(le, 1, 8, f);
+	fwrite(header, 1, hl, f);
+	if (data_len > 0)
+		fwrite(zeros, 1, (size_t)data_len, f);
+	fclose(f);
+	free(zeros);
+}
+
+Test(model, bad_model_files)
+{
+	char p[256];
+
+	/* no directory, no config */
+	expect_refused("nothing", -ENOENT, "config.json");
+	/* unknown architecture */
+	make("arch", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	write_str(path("arch/config.json"), "{\"architectures\": [\"LlamaForCausalLM\"]}");
+	expect_refused("arch", -ENOTSUP, "LlamaForCausalLM");
+	/* config with a wrong type */
+	make("cfgtype", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	write_str(path("cfgtype/config.json"),
+		  "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"vocab_size\": \"big\"}");
+	expect_refused("cfgtype", -EINVAL, "vocab_size");
+	/* config not JSON */
+	make("cfgjson", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	write_str(path("cfgjson/config.json"), "{\"architectures\": [");
+	expect_refused("cfgjson", -EBADMSG, "config.json");
+	/* inconsistent sizes */
+	make("sizes", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	write_str(path("sizes/config.json"),
+		  "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"vocab_size\": 256, "
+		  "\"hidden_size\": 64, \"num_hidden_layers\": 3, \"num_attention_heads\": 4, "
+		  "\"num_key_value_heads\": 3, \"head_dim\": 16, \"num_experts_per_tok\": 2, "
+		  "\"num_experts\": 8, \"moe_intermediate_size\": 32}");
+	expect_refused("sizes", -EINVAL, "kv_heads 3");
+	/* missing tensor: config says 4 layers, the file has 3 */
+	make("missing", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	(void)snprintf(p, sizeof(p), "sed -i 's/\"num_hidden_layers\": 3/\"num_hidden_layers\": 4/' "
+				     "%s",
+		       path("missing/config.json"));
+	cr_assert_eq(system(p), 0);
+	expect_refused("missing", -ENOENT, "model.layers.3.input_layernorm.weight");
+	/* wrong shape: config says more experts' width */
+	make("shape", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	(void)snprintf(p, sizeof(p), "sed -i 's/\"moe_intermediate_size\": 32/"
+				     "\"moe_intermediate_size\": 48/' %s",
+		       path("shape/config.json"));
+	cr_assert_eq(system(p), 0);
+	expect_refused("shape", -EINVAL, "gate_proj.weight has shape [32, 64], want [48, 64]");
+	/* truncated file */
+	make("trunc", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	{
+		struct stat st;
+
+		cr_assert_eq(stat(path("trunc/model.safetensors"), &st), 0);
+		cr_assert_eq(truncate(path("trunc/model.safetensors"), st.st_size - 1000), 0);
+	}
+	expect_refused("trunc", -EBADMSG, "outside");
+	/* shorter than the length field */
+	make("tiny", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	write_str(path("tiny/model.safetensors"), "abc");
+	expect_refused("tiny", -EBADMSG, "truncated");
+	/* header length larger than the file */
+	make("hlen", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	write_file(path("hlen/model.safetensors"), "\xff\xff\xff\x00\x00\x00\x00\x00{}", 10);
+	expect_refused("hlen", -EBADMSG, "header of");
+	/* header not JSON */
+	make("hjson", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	corrupt_header("hjson", "{\"a\": [1, 2", 0);
+	expect_refused("hjson", -EBADMSG, "not a JSON object");
+	/* offsets that lie: past the data */
+	make("lie", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	corrupt_header("lie",
+		       "{\"model.embed_tokens.weight\": {\"dtype\": \"BF16\", \"shape\": [256, 64], "
+		       "\"data_offsets\": [0, 32768]}}",
+		       100);
+	expect_refused("lie", -EBADMSG, "data_offsets");
+	/* offsets that disagree with the shape */
+	make("lie2", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	corrupt_header("lie2",
+		       "{\"model.embed_tokens.weight\": {\"dtype\": \"BF16\", \"shape\": [256, 64], "
+		       "\"data_offsets\": [0, 16]}}",
+		       100);
+	expect_refused("lie2", -EBADMSG, "16 bytes for 16384 elements");
+	/* begin after end, negative, huge shape */
+	make("lie3", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	corrupt_header("lie3",
+		       "{\"x\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [16, 0]}}", 32);
+	expect_refused("lie3", -EBADMSG, "data_offsets");
+	make("lie4", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	corrupt_header("lie4",
+		       "{\"x\": {\"dtype\": \"F32\", \"shape\": [-4], \"data_offsets\": [0, 16]}}", 32);
+	expect_refused("lie4", -EBADMSG, "bad shape");
+	make("lie5", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	corrupt_header("lie5",
+		       "{\"x\": {\"dtype\": \"F32\", \"shape\": [1099511627776, 1099511627776], "
+		       "\"data_offsets\": [0, 16]}}",
+		       32);
+	expect_refused("lie5", -EBADMSG, "shape");
+	/* unsupported dtype */
+	make("dtype", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	corrupt_header("dtype",
+		       "{\"x\": {\"dtype\": \"F8_E4M3\", \"shape\": [4], \"data_offsets\": [0, 4]}}",
+		       4);
+	expect_refused("dtype", -ENOTSUP, "F8_E4M3");
+	/* a tensor twice */
+	make("dup", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	corrupt_header("dup",
+		       "{\"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}, "
+		       "\"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}",
+		       4);
+	/* json-c keeps the last of duplicate keys: one tensor, then the model lacks the rest */
+	expect_refused("dup", -ENOENT, "missing");
+	/* a shard the index names is gone */
+	make("shard", RO_ARCH_QWEN3_MOE, "BF16", 2, 0);
+	cr_assert_eq(unlink(path("shard/model-00002-of-00002.safetensors")), 0);
+	expect_refused("shard", -ENOENT, "model-00002-of-00002.safetensors");
+	/* the index points outside the directory */
+	make("escape", RO_ARCH_QWEN3_MOE, "BF16", 2, 0);
+	write_str(path("escape/model.safetensors.index.json"),
+		  "{\"weight_map\": {\"x\": \"../../etc/passwd\"}}");
+	expect_refused("escape", -EBADMSG, "bad shard name");
+}
