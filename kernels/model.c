@@ -36,6 +36,7 @@ struct ro_model {
 	size_t n_owned;
 	struct ro_moe_exchange xch;
 	bool have_xch;
+	uint32_t experts_run; /* by the last forward */
 	/* workspace, grown to the largest batch seen */
 	float *ws;
 	size_t ws_len;
@@ -482,6 +483,11 @@ void ro_model_sizes(const struct ro_model *m, uint64_t *ret_total, uint64_t *ret
 	*ret_active = active;
 }
 
+uint32_t ro_model_last_experts(const struct ro_model *m)
+{
+	return m->experts_run;
+}
+
 /* ---- sequences ------------------------------------------------------------------------- */
 
 static size_t kv_row(const struct ro_model *m)
@@ -875,6 +881,7 @@ static int local_experts(struct ro_model *m, uint32_t l, const float *x, const i
 
 		if (!n)
 			continue;
+		m->experts_run++;
 		r = jobs_add(&J, &L->gate[e], xe + (size_t)off[e] * H, n, g + (size_t)off[e] * F, F,
 			     chunk_for(m, F, n, 2 * K));
 		if (!r)
@@ -959,6 +966,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	}
 	if (!T)
 		return 0;
+	m->experts_run = 0;
 	for (size_t i = 0; i < count; i++) {
 		r = seq_reserve(items[i].seq, items[i].seq->len + items[i].n);
 		if (r)

@@ -48,6 +48,9 @@ uint32_t ro_model_threads(const struct ro_model *m);
 /* Bytes of weights, total and touched by one token (attention, top_k experts, head). */
 void ro_model_sizes(const struct ro_model *m, uint64_t *ret_total, uint64_t *ret_active);
 
+/* (layer, expert) pairs the last forward ran locally: the expert weights it read. */
+uint32_t ro_model_last_experts(const struct ro_model *m);
+
 /* A sequence: its KV cache (max_len positions) and length. */
 int ro_seq_new(struct ro_model *m, uint32_t max_len, struct ro_seq **ret);
 struct ro_seq *ro_seq_free(struct ro_seq *s);
