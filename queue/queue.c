@@ -519,7 +519,7 @@ static int bad_reply(struct ro_queue *q, redisReply *rep, const char *what)
 	return fail(q, -EPROTO, "unexpected reply to %s", what);
 }
 
-static void claim_clear(struct ro_claim *c)
+void ro_claim_clear(struct ro_claim *c)
 {
 	free(c->id);
 	free(c->body);
@@ -538,7 +538,7 @@ void ro_claims_free(struct ro_claim *c, size_t count)
 	if (!c)
 		return;
 	for (size_t i = 0; i < count; i++)
-		claim_clear(&c[i]);
+		ro_claim_clear(&c[i]);
 	free(c);
 }
 
@@ -1186,6 +1186,18 @@ static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
 		freeReplyObject(h);
 	}
 	freeReplyObject(rep);
+	return r;
+}
+
+int ro_queue_policy_version(struct ro_queue *q, int64_t *ret)
+{
+	char k[300];
+	int r = 0;
+	int64_t v = cmd_int(
+	    q, &r, 3, (const char *[]){"HGET", ro_queue_key(q, "policy", k, sizeof(k)), "version"});
+
+	if (!r)
+		*ret = v;
 	return r;
 }
 

@@ -134,6 +134,8 @@ int ro_queue_claim(struct ro_queue *q, uint32_t k, uint32_t lease_ms, struct ro_
 /* Every unit this worker holds now (after a reconnect). */
 int ro_queue_held(struct ro_queue *q, struct ro_claim **ret, size_t *ret_count);
 void ro_claims_free(struct ro_claim *c, size_t count);
+/* Free what one claim owns (a caller that moved a claim out of the array zeroes it). */
+void ro_claim_clear(struct ro_claim *c);
 
 /* Renew the leases of count units; ret_ok[i] false: that lease is lost. */
 int ro_queue_renew(struct ro_queue *q, const struct ro_claim *const *c, size_t count,
@@ -179,6 +181,8 @@ int ro_queue_wait(struct ro_queue *q, uint32_t timeout_ms, bool *ret_woken);
  * the stream length when no group exists). The agent never trims; it backs off on this. */
 int ro_queue_backlog(struct ro_queue *q, const char *group, int64_t *ret_len, int64_t *ret_lag);
 int ro_queue_stats(struct ro_queue *q, struct ro_queue_stats *ret);
+/* The current policy version (ro:{q}:policy field "version"; 0 when unset). */
+int ro_queue_policy_version(struct ro_queue *q, int64_t *ret);
 void ro_queue_stats_clear(struct ro_queue_stats *s);
 
 /* Samples stream as JSON lines: entries after *cursor ("0" or "$" to start), up to count;

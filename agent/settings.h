@@ -1,0 +1,36 @@
+/* rolloutd's settings: one table (agent/config.c), a row per setting, through which flags,
+ * ROLLOUTD_* environment variables and the config file all parse; --help and
+ * --print-config are generated from it. Flags beat environment beat file beat default. */
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+enum ro_rebalance { RO_REBALANCE_DRAIN, RO_REBALANCE_STOP_CLAIMING, RO_REBALANCE_IGNORE };
+
+struct ro_config {
+	char *config_file;
+	char *redis, *queue, *prefix, *worker_id, *model;
+	uint32_t max_inflight, claim_batch, lease_ms, checkpoint_tokens, checkpoint_ms;
+	char *imds_endpoint;
+	bool imds, imds_v1_fallback;
+	uint32_t imds_poll_ms, drain_margin_ms, notice_s, sigterm_grace_s;
+	uint32_t rebalance; /* enum ro_rebalance */
+	uint32_t max_prompt, max_n, max_new_tokens, max_body;
+	uint32_t high_water;
+	char *trainer_group;
+	char *metrics_file;
+	uint32_t metrics_interval_ms, status_interval_ms;
+	char *control_socket;
+	uint32_t threads;
+	int64_t policy_version;
+	uint32_t log_level; /* syslog LOG_* */
+};
+
+/* Parse argv/environment/file into c. Returns 0, 1 after --help or --print-config was
+ * handled, or -EINVAL with the error already printed to err (naming the setting). */
+int ro_config_load(struct ro_config *c, int argc, char **argv, FILE *out, FILE *err);
+void ro_config_clear(struct ro_config *c);
+void ro_config_print(const struct ro_config *c, FILE *f);
+const char *ro_rebalance_name(uint32_t r);
