@@ -53,6 +53,8 @@ static const struct setting table[] = {
      "IMDS endpoint (http://[fd00:ec2::254] for IPv6, or the mock's URL)"},
     {"imds-poll-ms", T_U32, F(imds_poll_ms), "1000", 50, 60000, NULL,
      "spot instance-action poll interval"},
+    {"imds-slow-poll-ms", T_U32, F(imds_slow_poll_ms), "5000", 50, 600000, NULL,
+     "rebalance and ASG lifecycle poll interval (AWS suggests 5 s)"},
     {"imds-v1-fallback", T_BOOL, F(imds_v1_fallback), "false", 0, 0, NULL,
      "fall back to IMDSv1 when the token PUT fails"},
     {"drain-margin-ms", T_U32, F(drain_margin_ms), "15000", 0, 600000, NULL,

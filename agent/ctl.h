@@ -11,3 +11,8 @@ int ro_ctl_imds(int argc, char **argv);
 int ro_ctl_make_model(int argc, char **argv);
 /* generate --model DIR --prompt IDS [...]: run the model with no queue */
 int ro_ctl_generate(int argc, char **argv);
+
+/* drain [--deadline S] [--wait] [--socket PATH]: through the daemon's control socket */
+int ro_ctl_drain(int argc, char **argv);
+/* status --local [--ready|--live]: the daemon's own view, for probes */
+int ro_ctl_status_local(int argc, char **argv);

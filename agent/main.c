@@ -69,8 +69,7 @@ static int watcher_start(struct ro_agent *a, struct watcher *wt)
 	io.v1_fallback = a->cfg.imds_v1_fallback;
 	ro_imds_watch_opts_default(&wo);
 	wo.interval_ms = a->cfg.imds_poll_ms;
-	if (wo.slow_interval_ms < wo.interval_ms)
-		wo.slow_interval_ms = wo.interval_ms;
+	wo.slow_interval_ms = a->cfg.imds_slow_poll_ms;
 	r = ro_imds_new(&io, &wt->m);
 	if (!r)
 		r = ro_imds_watch_new(wt->m, &wo, &wt->w);
@@ -157,20 +156,26 @@ static int control_open(const char *path)
 static void status_json(const struct ro_agent *a, char *buf, size_t len)
 {
 	int64_t now = ro_wall_ms();
+	uint32_t unckpt = 0; /* the most tokens any sequence would lose if killed now */
+
+	for (const struct unit_rt *u = a->units; u; u = u->next)
+		for (uint32_t i = 0; i < u->n_s; i++)
+			if (u->s[i] && !u->s[i]->finished && u->s[i]->len - u->s[i]->ckpt_len > unckpt)
+				unckpt = u->s[i]->len - u->s[i]->ckpt_len;
 
 	(void)snprintf(buf, len,
 		       "{\"state\":\"%s\",\"worker\":\"%s\",\"units\":%u,\"in_flight\":%u,"
 		       "\"tokens_per_s\":%.1f,\"step_ms\":%.2f,\"backpressure\":%s,\"lag\":%lld,"
 		       "\"stop_claiming\":%s,\"deadline_in_s\":%.3f,\"drain_reason\":\"%s\","
 		       "\"loop_age_ms\":%lld,\"claimed\":%llu,\"completed\":%llu,\"requeued\":%llu,"
-		       "\"published\":%llu}\n",
+		       "\"published\":%llu,\"uncheckpointed_max\":%u}\n",
 		       ro_state_name(a->state), a->worker, a->n_units, a->n_active, a->tokens_per_s,
 		       a->step_ms, a->backpressure ? "true" : "false", (long long)a->lag,
 		       a->stop_claiming ? "true" : "false",
 		       a->state == RO_RUNNING ? -1.0 : (double)(a->deadline_wall_ms - now) / 1000.0,
 		       a->drain_reason, (long long)(ro_now_ms() - a->last_loop_ms),
 		       (unsigned long long)a->n.claimed, (unsigned long long)a->n.completed,
-		       (unsigned long long)a->n.requeued, (unsigned long long)a->n.published);
+		       (unsigned long long)a->n.requeued, (unsigned long long)a->n.published, unckpt);
 }
 
 static void control_serve(struct ro_agent *a, int lfd)

@@ -45,6 +45,10 @@ static void usage(FILE *f)
 	    "  dead purge              delete every dead unit\n"
 	    "  samples [--follow] [--count N] [--from ID]\n"
 	    "                          the samples stream as JSON lines\n"
+	    "  drain [--deadline S] [--wait] [--socket PATH]\n"
+	    "                          drain the rolloutd on this node (control socket)\n"
+	    "  status --local [--ready|--live]\n"
+	    "                          the local daemon's state; exit 1 when not ready/live\n"
 	    "  make-model [--arch qwen3_moe|mixtral ...] DIR\n"
 	    "                          write a random model in Hugging Face layout\n"
 	    "  generate --model DIR --prompt 1,2,3 [--n N] [--max-new-tokens T] ...\n"
@@ -427,6 +431,12 @@ int main(int argc, char **argv)
 	/* imds has options of its own (the mock's are amazon-ec2-metadata-mock's) */
 	if (argc > 1 && !strcmp(argv[1], "imds"))
 		return ro_ctl_imds(argc - 2, argv + 2);
+	/* the daemon's control socket */
+	if (argc > 1 && !strcmp(argv[1], "drain"))
+		return ro_ctl_drain(argc - 1, argv + 1);
+	for (int i = 2; argc > 1 && !strcmp(argv[1], "status") && i < argc; i++)
+		if (!strcmp(argv[i], "--local"))
+			return ro_ctl_status_local(argc - 1, argv + 1);
 	/* the model commands need no queue and take options of their own */
 	if (argc > 1 && !strcmp(argv[1], "make-model"))
 		return ro_ctl_make_model(argc - 1, argv + 1);

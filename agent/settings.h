@@ -15,7 +15,7 @@ struct ro_config {
 	uint32_t max_inflight, claim_batch, lease_ms, checkpoint_tokens, checkpoint_ms;
 	char *imds_endpoint;
 	bool imds, imds_v1_fallback;
-	uint32_t imds_poll_ms, drain_margin_ms, notice_s, sigterm_grace_s;
+	uint32_t imds_poll_ms, imds_slow_poll_ms, drain_margin_ms, notice_s, sigterm_grace_s;
 	uint32_t rebalance; /* enum ro_rebalance */
 	uint32_t max_prompt, max_n, max_new_tokens, max_body;
 	uint32_t high_water;

@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <systemd/sd-daemon.h>
+
 #include "agent/agent.h"
 #include "agent/log.h"
 
@@ -447,7 +449,7 @@ void ro_worker_housekeeping(struct ro_agent *a)
 			p[j].policy_version = a->cfg.policy_version;
 		if (k) {
 			r = ro_queue_checkpoint(a->q, &u->c, p, (size_t)k);
-			if (r) {
+			if (r < 0) {
 				free(p);
 				queue_failed(a, u, r, "checkpoint");
 				continue;
@@ -528,6 +530,15 @@ void ro_drain_begin(struct ro_agent *a, int64_t deadline, const char *reason)
 	(void)snprintf(a->drain_reason, sizeof(a->drain_reason), "%s", reason);
 	ro_log(LOG_NOTICE, "draining (%s): deadline in %.1f s, %u units and %u sequences in flight",
 	       reason, (double)(deadline - ro_wall_ms()) / 1000.0, a->n_units, a->n_active);
+	{
+		/* tell systemd at once: the stop may take until the hard deadline */
+		char s[96];
+		int64_t left = a->hard_wall_ms - ro_wall_ms();
+
+		(void)snprintf(s, sizeof(s), "STOPPING=1\nEXTEND_TIMEOUT_USEC=%lld",
+			       (long long)((left > 0 ? left : 0) + 5000) * 1000);
+		(void)sd_notify(0, s);
+	}
 	ro_drain_triage(a);
 }
 

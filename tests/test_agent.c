@@ -1,0 +1,757 @@
+/* rolloutd end to end: real rolloutd processes against the binary's redis-server and the
+ * mock IMDS. Two agents share a queue; a spot notice, SIGTERM, `rolloutctl drain`, a
+ * rebalance (per policy) and an ASG lifecycle change each drain an agent with nothing lost
+ * or duplicated; resumed samples are bitwise those of an uninterrupted run; SIGKILL loses
+ * at most one checkpoint interval per sequence; backpressure; the notify protocol over a
+ * real NOTIFY_SOCKET; bad config and bad units. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kernels/model.h"
+#include "tests/mock_fixture.h"
+#include "tests/redis_hooks.h"
+
+static char dir[64];
+static char model[128];
+
+static int64_t now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void msleep(long ms)
+{
+	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
+
+	nanosleep(&ts, NULL);
+}
+
+static void setup(void)
+{
+	struct ro_make_model_opts o;
+	char err[256];
+
+	(void)snprintf(dir, sizeof(dir), "/tmp/ro-agent-XXXXXX");
+	cr_assert_not_null(mkdtemp(dir));
+	(void)snprintf(model, sizeof(model), "%s/model", dir);
+	/* big enough that a few hundred tokens take a second at batch 16 */
+	ro_make_model_defaults(&o);
+	o.layers = 4;
+	o.hidden = 256;
+	o.heads = 4;
+	o.kv_heads = 2;
+	o.head_dim = 64;
+	o.experts = 8;
+	o.top_k = 2;
+	o.expert_ffn = 256;
+	o.vocab = 1024;
+	cr_assert_eq(ro_make_model(&o, model, err, sizeof(err)), 0, "%s", err);
+}
+
+static void teardown(void)
+{
+	char cmd[128];
+
+	(void)snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+	(void)system(cmd);
+}
+
+TestSuite(agent, .init = setup, .fini = teardown, .timeout = 120);
+
+static const char *bin(const char *env, const char *name)
+{
+	static char buf[2][512];
+	static int i;
+	const char *p = getenv(env);
+
+	i ^= 1;
+	if (p && *p)
+		return p;
+	(void)snprintf(buf[i], sizeof(buf[i]), "./%s", name);
+	return buf[i];
+}
+
+struct agent {
+	pid_t pid;
+	char name[32], sock[160], log[160], metrics[160];
+};
+
+/* Start rolloutd as worker `name` on queue q; extra flags after. */
+static void start(struct agent *ag, const char *name, const char *q, const char *const *extra,
+		  const char *const *env)
+{
+	const char *av[64];
+	size_t n = 0;
+	pid_t parent = getpid();
+
+	memset(ag, 0, sizeof(*ag));
+	(void)snprintf(ag->name, sizeof(ag->name), "%s", name);
+	(void)snprintf(ag->sock, sizeof(ag->sock), "%s/%s.sock", dir, name);
+	(void)snprintf(ag->log, sizeof(ag->log), "%s/%s.log", dir, name);
+	(void)snprintf(ag->metrics, sizeof(ag->metrics), "%s/%s.prom", dir, name);
+	av[n++] = bin("RO_ROLLOUTD", "rolloutd");
+	av[n++] = "--redis";
+	av[n++] = ro_test_redis_url();
+	av[n++] = "--queue";
+	av[n++] = q;
+	av[n++] = "--model";
+	av[n++] = model;
+	av[n++] = "--worker-id";
+	av[n++] = name;
+	av[n++] = "--control-socket";
+	av[n++] = ag->sock;
+	av[n++] = "--metrics-file";
+	av[n++] = ag->metrics;
+	av[n++] = "--metrics-interval-ms";
+	av[n++] = "200";
+	av[n++] = "--status-interval-ms";
+	av[n++] = "200";
+	av[n++] = "--threads";
+	av[n++] = "1";
+	av[n++] = "--max-inflight";
+	av[n++] = "16";
+	av[n++] = "--log-level";
+	av[n++] = "debug";
+	for (size_t i = 0; extra && extra[i] && n < 62; i++)
+		av[n++] = extra[i];
+	av[n] = NULL;
+	ag->pid = fork();
+	cr_assert_geq(ag->pid, 0);
+	if (ag->pid == 0) {
+		int fd = open(ag->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+
+		(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (getppid() != parent)
+			_exit(1);
+		for (size_t i = 0; env && env[i]; i += 2)
+			(void)setenv(env[i], env[i + 1], 1);
+		(void)dup2(fd, 2);
+		(void)dup2(fd, 1);
+		execv(av[0], (char *const *)av);
+		_exit(127);
+	}
+}
+
+/* Exit status (or -1 if still running after ms, then killed). */
+static int wait_exit(struct agent *ag, long ms)
+{
+	int st;
+
+	for (long t = 0; t <= ms; t += 20) {
+		if (waitpid(ag->pid, &st, WNOHANG) == ag->pid) {
+			ag->pid = 0;
+			return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+		}
+		msleep(20);
+	}
+	(void)kill(ag->pid, SIGKILL);
+	(void)waitpid(ag->pid, &st, 0);
+	ag->pid = 0;
+	return -1;
+}
+
+static void dump_log(const struct agent *ag)
+{
+	char cmd[256];
+
+	(void)snprintf(cmd, sizeof(cmd), "tail -n 30 %s >&2", ag->log);
+	(void)system(cmd);
+}
+
+/* The daemon's status line through its control socket ("" when unreachable). */
+static const char *status(const struct agent *ag, const char *req)
+{
+	static char buf[2048];
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+	ssize_t n;
+
+	buf[0] = '\0';
+	strcpy(sa.sun_path, ag->sock);
+	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+	    write(fd, req, strlen(req)) == (ssize_t)strlen(req) &&
+	    (n = read(fd, buf, sizeof(buf) - 1)) > 0)
+		buf[n] = '\0';
+	close(fd);
+	return buf;
+}
+
+static double field(const char *json, const char *key)
+{
+	char pat[64];
+	const char *p;
+
+	(void)snprintf(pat, sizeof(pat), "\"%s\":", key);
+	p = strstr(json, pat);
+	return p ? strtod(p + strlen(pat), NULL) : -1;
+}
+
+static void enqueue(const char *q, const char *prefix, int count, unsigned n, unsigned max_new,
+		    unsigned long_every, unsigned long_max)
+{
+	struct ro_queue *qq = ro_test_queue(ro_test_redis_url(), q, "enq", 3);
+
+	for (int i = 0; i < count; i++) {
+		char js[512], why[256];
+		struct ro_unit u = {0};
+		int st;
+		unsigned mx = long_every && i % long_every == 0 ? long_max : max_new;
+
+		(void)snprintf(js, sizeof(js),
+			       "{\"id\":\"%s-%d\",\"prompt\":[%d,%d,%d],\"n\":%u,"
+			       "\"max_new_tokens\":%u,\"sampling\":{\"temperature\":1.0,\"seed\":%d}}",
+			       prefix, i, i % 1000, (i * 7) % 1000, 5, n, mx, i);
+		cr_assert_eq(ro_unit_parse(js, strlen(js), &(struct ro_unit_bounds){1000, 64, 100000,
+										    1 << 20},
+					   &u, why, sizeof(why)),
+			     0, "%s", why);
+		cr_assert_eq(ro_queue_enqueue(qq, &u, 1, &st), 0);
+		ro_unit_clear(&u);
+	}
+	ro_queue_free(qq);
+}
+
+static long done_count(redisContext *c, const char *q)
+{
+	return ro_test_int(c, "HGET ro:{%s}:stats done", q);
+}
+
+static bool wait_done(redisContext *c, const char *q, long want, long ms)
+{
+	for (long t = 0; t < ms; t += 50) {
+		if (done_count(c, q) >= want)
+			return true;
+		msleep(50);
+	}
+	return false;
+}
+
+/* unit|idx -> "tokens logprobs" of every sample in q's stream */
+struct smp {
+	char key[64], val[65536];
+	char worker[32];
+	long resumed;
+	long long ms;
+};
+
+static size_t read_samples(redisContext *c, const char *q, struct smp **ret)
+{
+	redisReply *rep = redisCommand(c, "XRANGE ro:{%s}:samples - +", q);
+	struct smp *v;
+
+	cr_assert(rep && rep->type == REDIS_REPLY_ARRAY);
+	v = calloc(rep->elements + 1, sizeof(*v));
+	for (size_t i = 0; i < rep->elements; i++) {
+		redisReply *f = rep->element[i]->element[1];
+		const char *unit = "", *idx = "", *tok = "", *lp = "";
+
+		v[i].ms = strtoll(rep->element[i]->element[0]->str, NULL, 10);
+		for (size_t j = 0; j + 1 < f->elements; j += 2) {
+			const char *k = f->element[j]->str, *x = f->element[j + 1]->str;
+
+			if (!strcmp(k, "unit"))
+				unit = x;
+			else if (!strcmp(k, "idx"))
+				idx = x;
+			else if (!strcmp(k, "tokens"))
+				tok = x;
+			else if (!strcmp(k, "logprobs"))
+				lp = x;
+			else if (!strcmp(k, "worker"))
+				(void)snprintf(v[i].worker, sizeof(v[i].worker), "%s", x);
+			else if (!strcmp(k, "resumed_from"))
+				v[i].resumed = strtol(x, NULL, 10);
+		}
+		(void)snprintf(v[i].key, sizeof(v[i].key), "%s|%s", unit, idx);
+		(void)snprintf(v[i].val, sizeof(v[i].val), "%s %s", tok, lp);
+	}
+	*ret = v;
+	{
+		size_t n = rep->elements;
+
+		freeReplyObject(rep);
+		return n;
+	}
+}
+
+/* Every sample of q equals the one of ref with the same unit and index, bit for bit. */
+static long same_samples(redisContext *c, const char *q, const char *ref, size_t want)
+{
+	struct smp *a, *b;
+	size_t na = read_samples(c, q, &a), nb = read_samples(c, ref, &b);
+	long resumed = 0;
+
+	cr_assert_eq(na, want);
+	cr_assert_eq(nb, want);
+	for (size_t i = 0; i < na; i++) {
+		bool found = false;
+
+		for (size_t j = 0; j < nb && !found; j++)
+			if (!strcmp(a[i].key, b[j].key)) {
+				found = true;
+				cr_expect_str_eq(a[i].val, b[j].val, "sample %s differs from the "
+								     "uninterrupted run", a[i].key);
+			}
+		cr_expect(found, "sample %s missing from the reference", a[i].key);
+		resumed += a[i].resumed > 0;
+	}
+	free(a);
+	free(b);
+	return resumed;
+}
+
+static void reference_run(redisContext *c, const char *ref, int units, unsigned n,
+			  unsigned max_new, unsigned long_every, unsigned long_max)
+{
+	struct agent r;
+
+	enqueue(ref, "u", units, n, max_new, long_every, long_max);
+	start(&r, "ref", ref, (const char *const[]){"--imds", "false", NULL}, NULL);
+	cr_assert(wait_done(c, ref, units, 60000), "reference run did not finish");
+	kill(r.pid, SIGTERM);
+	cr_assert_eq(wait_exit(&r, 10000), 0);
+}
+
+Test(agent, two_agents_every_sample_once)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64];
+	struct agent a, b;
+
+	ro_test_name("e2e", q, sizeof(q));
+	enqueue(q, "u", 30, 4, 24, 0, 0);
+	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	cr_assert(wait_done(c, q, 30, 60000), "not all units completed");
+	kill(a.pid, SIGTERM);
+	kill(b.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 10000), 0);
+	cr_expect_eq(wait_exit(&b, 10000), 0);
+	ro_test_verify_exactly_once(c, q, 30, 4);
+	cr_expect_gt(ro_test_int(c, "XLEN ro:{%s}:groups", q), 0);
+	redisFree(c);
+}
+
+Test(agent, spot_notice_drains_before_the_deadline)
+{
+	static const char *const on[] = {"--imds-poll-ms", "200", "--drain-margin-ms", "1000",
+					 "--checkpoint-tokens", "16", "--lease-ms", "5000", NULL};
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	struct ro_test_mock mk = {0};
+	char q[64], ref[64], ep[96], fire[128];
+	const char *av[16];
+	struct agent a, b;
+	int64_t notice, exited;
+	size_t n = 0;
+	long resumed;
+	struct smp *s;
+	size_t ns;
+
+	ro_test_name("spot", q, sizeof(q));
+	ro_test_name("spotref", ref, sizeof(ref));
+	/* 8 units of 2 samples: short ones (finish within the deadline), long ones (cannot) */
+	reference_run(c, ref, 8, 2, 60, 2, 1500);
+	cr_assert_eq(ro_test_mock_start(&mk, 0, NULL), 0);
+	(void)snprintf(ep, sizeof(ep), "%s", mk.url);
+	for (size_t i = 0; on[i]; i++)
+		av[n++] = on[i];
+	av[n++] = "--imds-endpoint";
+	av[n++] = ep;
+	av[n] = NULL;
+	enqueue(q, "u", 8, 2, 60, 2, 1500);
+	start(&a, "a", q, av, NULL);
+	/* wait until it is well into the long units */
+	for (int i = 0; i < 200 && ro_test_int(c, "XLEN ro:{%s}:samples", q) < 8; i++)
+		msleep(50);
+	notice = now_ms() + 3000;
+	(void)snprintf(fire, sizeof(fire), "spot?in=0&time=%lld", (long long)(notice / 1000 + 1));
+	notice = (notice / 1000 + 1) * 1000;
+	free(ro_test_mock_ctl(&mk, fire));
+	cr_assert_eq(wait_exit(&a, 10000), 0, "the notified agent exits 0");
+	exited = now_ms();
+	cr_expect_lt(exited, notice, "exited %lld ms before the notice time", (long long)(notice - exited));
+	cr_expect_gt(ro_test_int(c, "LLEN ro:{%s}:pending", q), 0, "requeued units wait at the head");
+	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	cr_assert(wait_done(c, q, 8, 60000), "the other agent completes the requeued units");
+	kill(b.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&b, 10000), 0);
+	ro_test_verify_exactly_once(c, q, 8, 2);
+	resumed = same_samples(c, q, ref, 16);
+	cr_expect_gt(resumed, 0, "some samples resumed from a checkpointed prefix");
+	/* nothing written by the drained agent after it left */
+	ns = read_samples(c, q, &s);
+	for (size_t i = 0; i < ns; i++)
+		if (!strcmp(s[i].worker, "a"))
+			cr_expect_leq(s[i].ms, exited);
+	free(s);
+	ro_test_mock_stop(&mk);
+	redisFree(c);
+}
+
+Test(agent, sigkill_loses_at_most_one_checkpoint_interval)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64], ref[64];
+	struct agent a, b;
+	double worst = 0;
+
+	ro_test_name("kill", q, sizeof(q));
+	ro_test_name("killref", ref, sizeof(ref));
+	reference_run(c, ref, 4, 2, 1000, 0, 0);
+	enqueue(q, "u", 4, 2, 1000, 0, 0);
+	start(&a, "a", q,
+	      (const char *const[]){"--imds", "false", "--checkpoint-tokens", "8", "--lease-ms",
+				    "2000", NULL},
+	      NULL);
+	/* sample the live bound a few times, then kill mid-run */
+	for (int i = 0; i < 20; i++) {
+		const char *st = status(&a, "status\n");
+		double u = field(st, "uncheckpointed_max");
+
+		if (u > worst)
+			worst = u;
+		msleep(50);
+	}
+	cr_expect_leq(worst, 8, "a sequence never runs more than checkpoint-tokens ahead of its "
+				"checkpoint (saw %.0f)",
+		      worst);
+	kill(a.pid, SIGKILL);
+	cr_expect_eq(wait_exit(&a, 5000), 128 + SIGKILL);
+	start(&b, "b", q, (const char *const[]){"--imds", "false", "--lease-ms", "2000", NULL}, NULL);
+	cr_assert(wait_done(c, q, 4, 60000), "the other agent finishes after lease expiry");
+	kill(b.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&b, 10000), 0);
+	ro_test_verify_exactly_once(c, q, 4, 2);
+	cr_expect_gt(same_samples(c, q, ref, 8), 0, "resumed from checkpoints, bitwise the same");
+	redisFree(c);
+}
+
+static void drain_by(const char *how)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	struct ro_test_mock mk = {0};
+	char q[64], ep[96];
+	struct agent a, b;
+	const char *extra[16] = {"--sigterm-grace-s", "1", "--drain-margin-ms", "0",
+				 "--notice-s", "1", NULL};
+	size_t n = 6;
+	int rc;
+
+	ro_test_name(how, q, sizeof(q));
+	enqueue(q, "u", 6, 2, 2000, 0, 0);
+	if (strcmp(how, "sigterm") && strcmp(how, "ctl")) {
+		cr_assert_eq(ro_test_mock_start(&mk, 0, NULL), 0);
+		(void)snprintf(ep, sizeof(ep), "%s", mk.url);
+		extra[n++] = "--imds-endpoint";
+		extra[n++] = ep;
+		extra[n++] = "--imds-poll-ms";
+		extra[n++] = "100";
+		extra[n++] = "--imds-slow-poll-ms";
+		extra[n++] = "100";
+		extra[n++] = "--rebalance";
+		extra[n++] = "drain";
+	} else {
+		extra[n++] = "--imds";
+		extra[n++] = "false";
+	}
+	extra[n] = NULL;
+	start(&a, "a", q, extra, NULL);
+	for (int i = 0; i < 100 && field(status(&a, "status\n"), "in_flight") < 1; i++)
+		msleep(50);
+	if (!strcmp(how, "sigterm")) {
+		kill(a.pid, SIGTERM);
+	} else if (!strcmp(how, "ctl")) {
+		char cmd[512];
+
+		(void)snprintf(cmd, sizeof(cmd), "%s drain --deadline 1 --wait --socket %s >/dev/null",
+			       bin("RO_ROLLOUTCTL", "rolloutctl"), a.sock);
+		cr_expect_eq(system(cmd), 0, "rolloutctl drain --wait returns once drained");
+	} else if (!strcmp(how, "rebalance")) {
+		free(ro_test_mock_ctl(&mk, "rebalance?in=0"));
+	} else {
+		free(ro_test_mock_ctl(&mk, "lifecycle?state=Terminated"));
+	}
+	rc = wait_exit(&a, 15000);
+	if (rc)
+		dump_log(&a);
+	cr_expect_eq(rc, 0, "%s: the agent drains and exits 0", how);
+	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	cr_assert(wait_done(c, q, 6, 90000), "%s: the requeued units complete elsewhere", how);
+	kill(b.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&b, 10000), 0);
+	ro_test_verify_exactly_once(c, q, 6, 2);
+	if (mk.pid)
+		ro_test_mock_stop(&mk);
+	redisFree(c);
+}
+
+Test(agent, drain_on_sigterm)
+{
+	drain_by("sigterm");
+}
+
+Test(agent, drain_on_rolloutctl_drain)
+{
+	drain_by("ctl");
+}
+
+Test(agent, drain_on_rebalance_when_configured)
+{
+	drain_by("rebalance");
+}
+
+Test(agent, drain_on_asg_lifecycle)
+{
+	drain_by("lifecycle");
+}
+
+Test(agent, rebalance_stop_claiming_and_ignore)
+{
+	struct ro_test_mock mk = {0};
+	char q[64], ep[96];
+	struct agent a, b;
+
+	ro_test_name("rebal", q, sizeof(q));
+	cr_assert_eq(ro_test_mock_start(&mk, 0, NULL), 0);
+	(void)snprintf(ep, sizeof(ep), "%s", mk.url);
+	start(&a, "a", q,
+	      (const char *const[]){"--imds-endpoint", ep, "--imds-poll-ms", "100",
+				    "--imds-slow-poll-ms", "100", "--rebalance", "stop-claiming", NULL},
+	      NULL);
+	start(&b, "b", q,
+	      (const char *const[]){"--imds-endpoint", ep, "--imds-poll-ms", "100",
+				    "--imds-slow-poll-ms", "100", "--rebalance", "ignore", NULL},
+	      NULL);
+	msleep(500);
+	free(ro_test_mock_ctl(&mk, "rebalance?in=0"));
+	msleep(1500);
+	cr_expect(strstr(status(&a, "status\n"), "\"stop_claiming\":true"), "%s",
+		  status(&a, "status\n"));
+	cr_expect(strstr(status(&a, "status\n"), "\"state\":\"running\""));
+	cr_expect(strstr(status(&b, "status\n"), "\"stop_claiming\":false"));
+	cr_expect(strstr(status(&b, "status\n"), "\"state\":\"running\""));
+	kill(a.pid, SIGTERM);
+	kill(b.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 10000), 0);
+	cr_expect_eq(wait_exit(&b, 10000), 0);
+	ro_test_mock_stop(&mk);
+}
+
+Test(agent, backpressure_stops_and_resumes_claims)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64];
+	struct agent a;
+	long done_then;
+
+	ro_test_name("bp", q, sizeof(q));
+	ro_test_int(c, "XGROUP CREATE ro:{%s}:samples trainer $ MKSTREAM", q);
+	enqueue(q, "u", 40, 2, 60, 0, 0);
+	start(&a, "a", q,
+	      (const char *const[]){"--imds", "false", "--high-water", "10", "--claim-batch", "1",
+				    "--max-inflight", "4", NULL},
+	      NULL);
+	for (int i = 0; i < 100 && !strstr(status(&a, "status\n"), "\"backpressure\":true"); i++)
+		msleep(50);
+	cr_assert(strstr(status(&a, "status\n"), "\"backpressure\":true"), "%s",
+		  status(&a, "status\n"));
+	msleep(1500);
+	done_then = done_count(c, q);
+	msleep(1000);
+	cr_expect_eq(done_count(c, q), done_then, "no claims while the trainer is behind");
+	cr_expect_lt(done_then, 40);
+	/* the trainer reads and acknowledges everything: claims resume */
+	for (int round = 0; round < 200 && done_count(c, q) < 40; round++) {
+		redisReply *r = redisCommand(c, "XREADGROUP GROUP trainer t1 COUNT 1000 STREAMS "
+						"ro:{%s}:samples >",
+					     q);
+
+		if (r && r->type == REDIS_REPLY_ARRAY)
+			for (size_t i = 0; i < r->element[0]->element[1]->elements; i++)
+				freeReplyObject(redisCommand(
+				    c, "XACK ro:{%s}:samples trainer %s", q,
+				    r->element[0]->element[1]->element[i]->element[0]->str));
+		if (r)
+			freeReplyObject(r);
+		msleep(50);
+	}
+	cr_expect_eq(done_count(c, q), 40, "all units done once the trainer caught up");
+	kill(a.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 10000), 0);
+	redisFree(c);
+}
+
+Test(agent, notify_protocol_in_order)
+{
+	char path[160], buf[4096], all[16384] = "", q[64];
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd = socket(AF_UNIX, SOCK_DGRAM, 0);
+	struct agent a;
+	const char *ready, *status_, *wd, *stopping;
+
+	ro_test_name("notify", q, sizeof(q));
+	(void)snprintf(path, sizeof(path), "%s/notify.sock", dir);
+	strcpy(sa.sun_path, path);
+	cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL},
+	      (const char *const[]){"NOTIFY_SOCKET", path, "WATCHDOG_USEC", "200000", NULL});
+	/* read as systemd does, all along: a full datagram queue would block the sender */
+	for (int t = 0, st = 0, exited = 0; t < 500 && !exited; t++) {
+		ssize_t n;
+
+		while ((n = recv(fd, buf, sizeof(buf) - 1, MSG_DONTWAIT)) > 0) {
+			buf[n] = '\0';
+			strncat(all, buf, sizeof(all) - strlen(all) - 2);
+			strcat(all, "\n");
+		}
+		if (t == 75)
+			kill(a.pid, SIGTERM);
+		if (t > 75 && waitpid(a.pid, &st, WNOHANG) == a.pid) {
+			exited = 1;
+			cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+			a.pid = 0;
+		}
+		msleep(20);
+	}
+	cr_assert_eq(a.pid, 0, "exited after SIGTERM");
+	for (ssize_t n; (n = recv(fd, buf, sizeof(buf) - 1, MSG_DONTWAIT)) > 0;) {
+		buf[n] = '\0';
+		strncat(all, buf, sizeof(all) - strlen(all) - 2);
+		strcat(all, "\n");
+	}
+	close(fd);
+	ready = strstr(all, "READY=1");
+	status_ = strstr(all, "STATUS=");
+	wd = strstr(all, "WATCHDOG=1");
+	stopping = strstr(all, "STOPPING=1");
+	cr_assert(ready && status_ && wd && stopping, "got: %s", all);
+	cr_expect_lt(ready, wd, "READY before WATCHDOG");
+	cr_expect_lt(wd, stopping, "WATCHDOG before STOPPING");
+	cr_expect(strstr(all, "EXTEND_TIMEOUT_USEC="), "EXTEND_TIMEOUT_USEC while draining");
+	cr_expect(strstr(all, "STATUS=drained"), "the last STATUS says drained");
+}
+
+static int run_cmd(const char *cmd, char *out, size_t len)
+{
+	FILE *f = popen(cmd, "r");
+	size_t n;
+	int st;
+
+	cr_assert_not_null(f);
+	n = fread(out, 1, len - 1, f);
+	out[n] = '\0';
+	st = pclose(f);
+	return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+Test(agent, bad_config_is_an_error_naming_it)
+{
+	char cmd[1024], out[8192], conf[160];
+	const char *d = bin("RO_ROLLOUTD", "rolloutd");
+	FILE *f;
+
+	(void)snprintf(cmd, sizeof(cmd), "%s --model %s --no-such-thing 1 2>&1", d, model);
+	cr_expect_eq(run_cmd(cmd, out, sizeof(out)), 2);
+	cr_expect(strstr(out, "no-such-thing"), "%s", out);
+	(void)snprintf(cmd, sizeof(cmd), "%s --model %s --lease-ms soon 2>&1", d, model);
+	cr_expect_eq(run_cmd(cmd, out, sizeof(out)), 2);
+	cr_expect(strstr(out, "lease-ms"), "%s", out);
+	(void)snprintf(cmd, sizeof(cmd), "ROLLOUTD_REBALANCE=sometimes %s --model %s 2>&1", d, model);
+	cr_expect_eq(run_cmd(cmd, out, sizeof(out)), 2);
+	cr_expect(strstr(out, "rebalance") && strstr(out, "environment"), "%s", out);
+	(void)snprintf(cmd, sizeof(cmd), "%s 2>&1", d);
+	cr_expect_eq(run_cmd(cmd, out, sizeof(out)), 2);
+	cr_expect(strstr(out, "model is not set"), "%s", out);
+	/* file < env < flag, and the file's unknown key named with its line */
+	(void)snprintf(conf, sizeof(conf), "%s/r.conf", dir);
+	f = fopen(conf, "w");
+	fprintf(f, "# test\nqueue = fromfile\nlease-ms = 4000\nclaim_batch = 3\nmodel = %s\n", model);
+	fclose(f);
+	(void)snprintf(cmd, sizeof(cmd),
+		       "ROLLOUTD_LEASE_MS=5000 ROLLOUTD_CLAIM_BATCH=2 %s --config %s --claim-batch 7 "
+		       "--print-config",
+		       d, conf);
+	cr_expect_eq(run_cmd(cmd, out, sizeof(out)), 0);
+	cr_expect(strstr(out, "queue = fromfile\n"), "%s", out);
+	cr_expect(strstr(out, "lease-ms = 5000\n"), "%s", out);
+	cr_expect(strstr(out, "claim-batch = 7\n"), "%s", out);
+	f = fopen(conf, "a");
+	fprintf(f, "colour = blue\n");
+	fclose(f);
+	(void)snprintf(cmd, sizeof(cmd), "%s --config %s 2>&1", d, conf);
+	cr_expect_eq(run_cmd(cmd, out, sizeof(out)), 2);
+	cr_expect(strstr(out, "r.conf:6") && strstr(out, "colour"), "%s", out);
+	/* a bad model is a clear error at start, not a crash */
+	(void)snprintf(cmd, sizeof(cmd), "%s --model %s/nope --imds false 2>&1", d, dir);
+	cr_expect_eq(run_cmd(cmd, out, sizeof(out)), 1);
+	cr_expect(strstr(out, "config.json"), "%s", out);
+}
+
+Test(agent, bad_units_dead_lettered_with_reasons_policy_respected)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	struct ro_queue *qq;
+	char q[64];
+	struct agent a;
+	static const char *const bad[] = {
+	    "{\"id\":\"vocab\",\"prompt\":[1,5000],\"n\":1,\"max_new_tokens\":4}",
+	    "{\"id\":\"toolong\",\"prompt\":[1,2],\"n\":1,\"max_new_tokens\":900}",
+	    "{\"id\":\"newer\",\"prompt\":[1,2],\"n\":1,\"max_new_tokens\":4,"
+	    "\"min_policy_version\":5}",
+	    "{\"id\":\"fine\",\"prompt\":[1,2],\"n\":2,\"max_new_tokens\":4}",
+	};
+	redisReply *r;
+
+	ro_test_name("bad", q, sizeof(q));
+	qq = ro_test_queue(ro_test_redis_url(), q, "enq", 3);
+	for (size_t i = 0; i < 4; i++) {
+		struct ro_unit u = {0};
+		char why[256];
+		int st;
+
+		cr_assert_eq(ro_unit_parse(bad[i], strlen(bad[i]),
+					   &(struct ro_unit_bounds){100, 64, 100000, 1 << 20}, &u, why,
+					   sizeof(why)),
+			     0, "%s", why);
+		cr_assert_eq(ro_queue_enqueue(qq, &u, 1, &st), 0);
+		ro_unit_clear(&u);
+	}
+	start(&a, "a", q, (const char *const[]){"--imds", "false", "--max-new-tokens", "100", NULL},
+	      NULL);
+	cr_assert(wait_done(c, q, 1, 20000));
+	for (int i = 0; i < 100 && ro_test_int(c, "LLEN ro:{%s}:dead", q) < 2; i++)
+		msleep(50);
+	cr_expect_eq(ro_test_int(c, "LLEN ro:{%s}:dead", q), 2);
+	r = redisCommand(c, "HGET ro:{%s}:unit:vocab reason", q);
+	cr_expect(r && r->str && strstr(r->str, "vocab"), "%s", r && r->str ? r->str : "(none)");
+	freeReplyObject(r);
+	r = redisCommand(c, "HGET ro:{%s}:unit:toolong reason", q);
+	cr_expect(r && r->str && strstr(r->str, "max_new_tokens"), "%s",
+		  r && r->str ? r->str : "(none)");
+	freeReplyObject(r);
+	/* the unit needing a newer policy is released, not run */
+	cr_expect_eq(ro_test_int(c, "LLEN ro:{%s}:pending", q), 1);
+	kill(a.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 10000), 0);
+	start(&a, "a2", q, (const char *const[]){"--imds", "false", "--policy-version", "5", NULL},
+	      NULL);
+	cr_expect(wait_done(c, q, 2, 20000), "a worker with new enough weights runs it");
+	kill(a.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 10000), 0);
+	ro_queue_free(qq);
+	redisFree(c);
+}
