@@ -72,6 +72,8 @@ int ro_worker_step(struct ro_agent *a);
 void ro_worker_housekeeping(struct ro_agent *a);
 /* Begin (or tighten) a drain; deadline in ms since the epoch. */
 void ro_drain_begin(struct ro_agent *a, int64_t deadline_wall_ms, const char *reason);
+/* STOPPING=1 and EXTEND_TIMEOUT_USEC up to the hard deadline, to systemd. */
+void ro_drain_notify(const struct ro_agent *a);
 /* Requeue what cannot finish by the deadline (all of it once it passed). */
 void ro_drain_triage(struct ro_agent *a);
 void ro_worker_free_all(struct ro_agent *a);

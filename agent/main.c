@@ -417,12 +417,7 @@ int main(int argc, char **argv)
 			control_serve(a, lfd);
 		if (a->state == RO_DRAINING) {
 			if (now >= next_extend) {
-				char s[64];
-				int64_t left = a->hard_wall_ms - ro_wall_ms();
-
-				(void)snprintf(s, sizeof(s), "STOPPING=1\nEXTEND_TIMEOUT_USEC=%lld",
-					       (long long)((left > 0 ? left : 0) + 5000) * 1000);
-				(void)sd_notify(0, s);
+				ro_drain_notify(a);
 				next_extend = now + 1000;
 				notify_status(a);
 			}

@@ -280,8 +280,9 @@ int ro_worker_claim(struct ro_agent *a)
 	return r;
 }
 
-/* Publish the unit's finished samples in one call; the unit completes with the last. */
-static void publish_finished(struct ro_agent *a, struct unit_rt *u)
+/* Publish the unit's finished samples in one call; the unit completes with the last.
+ * true: u is gone (completed, or dropped with its lease). */
+static bool publish_finished(struct ro_agent *a, struct unit_rt *u)
 {
 	struct ro_sample smp[64];
 	uint32_t k = 0, left = 0;
@@ -304,15 +305,15 @@ static void publish_finished(struct ro_agent *a, struct unit_rt *u)
 					      s->resumed_from, (uint64_t)(ro_now_ms() - s->start_ms)};
 	}
 	if (!k)
-		return;
+		return false;
 	ids = calloc(k, sizeof(*ids));
 	if (!ids)
-		return;
+		return false;
 	r = ro_queue_publish(a->q, &u->c, smp, k, left == 0, ids, &completed);
 	free(ids);
 	if (r) {
 		queue_failed(a, u, r, "publish");
-		return;
+		return r == -ESTALE || r == -ENOENT;
 	}
 	a->n.published += k;
 	for (uint32_t i = 0; i < u->n_s; i++) {
@@ -330,13 +331,15 @@ static void publish_finished(struct ro_agent *a, struct unit_rt *u)
 			r = ro_queue_complete(a->q, &u->c, gid);
 			if (r && r != -EBUSY) {
 				queue_failed(a, u, r, "complete");
-				return;
+				return r == -ESTALE || r == -ENOENT;
 			}
 		}
 		a->n.completed++;
 		ro_log(LOG_DEBUG, "unit %s completed", u->c.id);
 		unit_drop(a, u);
+		return true;
 	}
+	return false;
 }
 
 static bool is_stop(const struct ro_unit *u, int32_t t)
@@ -400,13 +403,13 @@ publish:
 	/* finished samples go out now, not at the end of their unit */
 	for (struct unit_rt *u = a->units, *next; u; u = next) {
 		next = u->next;
-		publish_finished(a, u);
+		(void)publish_finished(a, u);
 	}
 	return r;
 }
 
-static int progress_of_unit(struct unit_rt *u, struct ro_progress *p, bool only_due,
-			    uint32_t every_tokens, int64_t every_ms, int64_t now)
+static int progress_of_unit(const struct ro_agent *a, struct unit_rt *u, struct ro_progress *p,
+			    bool only_due, int64_t now)
 {
 	int k = 0;
 
@@ -415,9 +418,11 @@ static int progress_of_unit(struct unit_rt *u, struct ro_progress *p, bool only_
 
 		if (!s || s->finished || s->len == s->ckpt_len)
 			continue;
-		if (only_due && s->len - s->ckpt_len < every_tokens && now - s->ckpt_at < every_ms)
+		if (only_due && s->len - s->ckpt_len < a->cfg.checkpoint_tokens &&
+		    now - s->ckpt_at < (int64_t)a->cfg.checkpoint_ms)
 			continue;
-		p[k++] = (struct ro_progress){s->idx, s->len, s->tok, s->lp, s->len, 0};
+		p[k++] = (struct ro_progress){s->idx, s->len, s->tok, s->lp, s->len,
+					      a->cfg.policy_version};
 	}
 	return k;
 }
@@ -444,9 +449,7 @@ void ro_worker_housekeeping(struct ro_agent *a)
 		next = u->next;
 		if (!p)
 			continue;
-		k = progress_of_unit(u, p, true, a->cfg.checkpoint_tokens, a->cfg.checkpoint_ms, now);
-		for (int j = 0; j < k; j++)
-			p[j].policy_version = a->cfg.policy_version;
+		k = progress_of_unit(a, u, p, true, now);
 		if (k) {
 			r = ro_queue_checkpoint(a->q, &u->c, p, (size_t)k);
 			if (r < 0) {
@@ -514,6 +517,16 @@ void ro_worker_housekeeping(struct ro_agent *a)
 
 /* ---- drain ------------------------------------------------------------------------------ */
 
+void ro_drain_notify(const struct ro_agent *a)
+{
+	char s[96];
+	int64_t left = a->hard_wall_ms - ro_wall_ms();
+
+	(void)snprintf(s, sizeof(s), "STOPPING=1\nEXTEND_TIMEOUT_USEC=%lld",
+		       (long long)((left > 0 ? left : 0) + 5000) * 1000);
+	(void)sd_notify(0, s);
+}
+
 void ro_drain_begin(struct ro_agent *a, int64_t deadline, const char *reason)
 {
 	if (a->state == RO_DRAINED)
@@ -530,15 +543,7 @@ void ro_drain_begin(struct ro_agent *a, int64_t deadline, const char *reason)
 	(void)snprintf(a->drain_reason, sizeof(a->drain_reason), "%s", reason);
 	ro_log(LOG_NOTICE, "draining (%s): deadline in %.1f s, %u units and %u sequences in flight",
 	       reason, (double)(deadline - ro_wall_ms()) / 1000.0, a->n_units, a->n_active);
-	{
-		/* tell systemd at once: the stop may take until the hard deadline */
-		char s[96];
-		int64_t left = a->hard_wall_ms - ro_wall_ms();
-
-		(void)snprintf(s, sizeof(s), "STOPPING=1\nEXTEND_TIMEOUT_USEC=%lld",
-			       (long long)((left > 0 ? left : 0) + 5000) * 1000);
-		(void)sd_notify(0, s);
-	}
+	ro_drain_notify(a); /* at once: the stop may take until the hard deadline */
 	ro_drain_triage(a);
 }
 
@@ -550,16 +555,11 @@ static int requeue(struct ro_agent *a, struct unit_rt *u)
 	if (!p)
 		return -ENOMEM;
 	/* finished but unpublished samples are worth a try first */
-	publish_finished(a, u);
-	for (struct unit_rt *x = a->units; x; x = x->next)
-		if (x == u)
-			goto still_here;
-	free(p);
-	return 0; /* completed or dropped by the publish */
-still_here:
-	k = progress_of_unit(u, p, false, 0, 0, 0);
-	for (int j = 0; j < k; j++)
-		p[j].policy_version = a->cfg.policy_version;
+	if (publish_finished(a, u)) {
+		free(p);
+		return 0;
+	}
+	k = progress_of_unit(a, u, p, false, 0);
 	r = ro_queue_requeue(a->q, &u->c, p, (size_t)k);
 	free(p);
 	if (r) {

@@ -221,7 +221,7 @@ static uint64_t rng_next(struct ro_imds *m)
 	return m->rng;
 }
 
-static void sleep_ms(int64_t ms)
+void ro_imds_sleep_ms(int64_t ms)
 {
 	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000};
 
@@ -306,7 +306,7 @@ static int request(struct ro_imds *m, bool put, const char *url, struct curl_sli
 		if (!r || !retryable(r) || i >= m->o.retries)
 			return r;
 		/* jitter in [backoff/2, backoff*3/2): many nodes must not retry in step */
-		sleep_ms(backoff / 2 + (int64_t)(rng_next(m) % (uint64_t)backoff));
+		ro_imds_sleep_ms(backoff / 2 + (int64_t)(rng_next(m) % (uint64_t)backoff));
 		backoff *= 2;
 	}
 }

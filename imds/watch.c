@@ -259,14 +259,6 @@ int ro_imds_watch_poll(struct ro_imds_watch *w)
 	return (int)(w->q_len - before);
 }
 
-static void sleep_ms(int64_t ms)
-{
-	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000};
-
-	while (nanosleep(&ts, &ts) == -1 && errno == EINTR)
-		;
-}
-
 int ro_imds_watch_next(struct ro_imds_watch *w, uint32_t timeout_ms, struct ro_imds_event *ret)
 {
 	int64_t end = ro_imds_mono_ms() + timeout_ms;
@@ -295,7 +287,7 @@ int ro_imds_watch_next(struct ro_imds_watch *w, uint32_t timeout_ms, struct ro_i
 		}
 		if (now >= end)
 			return -EAGAIN;
-		sleep_ms((w->next_poll_ms < end ? w->next_poll_ms : end) - now);
+		ro_imds_sleep_ms((w->next_poll_ms < end ? w->next_poll_ms : end) - now);
 	}
 }
 

@@ -248,6 +248,14 @@ static int own(struct ro_model *m, void *p)
 	return 0;
 }
 
+/* Element i of a tensor as f32, whatever its stored dtype. */
+static float elem(const struct ro_tensor *t, size_t i)
+{
+	return t->dtype == RO_F32    ? ((const float *)t->data)[i]
+	       : t->dtype == RO_BF16 ? ro_bf16_to_f32(((const uint16_t *)t->data)[i])
+				     : ro_f16_to_f32(((const uint16_t *)t->data)[i]);
+}
+
 static int vec(struct ro_model *m, const char *name, uint64_t n, float **ret, char *err,
 	       size_t errlen)
 {
@@ -261,9 +269,7 @@ static int vec(struct ro_model *m, const char *name, uint64_t n, float **ret, ch
 	if (!v)
 		return -ENOMEM;
 	for (uint64_t i = 0; i < n; i++)
-		v[i] = t->dtype == RO_F32    ? ((const float *)t->data)[i]
-		       : t->dtype == RO_BF16 ? ro_bf16_to_f32(((const uint16_t *)t->data)[i])
-					     : ro_f16_to_f32(((const uint16_t *)t->data)[i]);
+		v[i] = elem(t, i);
 	*ret = v;
 	return own(m, v);
 }
@@ -632,6 +638,13 @@ static float dotf(const float *a, const float *b, uint32_t n)
 	return s;
 }
 
+/* g = silu(g) * u, elementwise: the experts' and dense MLP's activation */
+static void swiglu(float *g, const float *u, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 /* ---- the batch ------------------------------------------------------------------------- */
 
 struct gemm_job {
@@ -791,8 +804,7 @@ int ro_model_expert(struct ro_model *m, uint32_t layer, uint32_t e, const float 
 		r = jobs_add(&J, &L->up[e], x, n, u, L->ffn, chunk_for(m, L->ffn, n, 2));
 	if (!r) {
 		run_jobs(m, &J);
-		for (size_t i = 0; i < (size_t)n * L->ffn; i++)
-			g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+		swiglu(g, u, (size_t)n * L->ffn);
 		r = jobs_add(&J, &L->down[e], g, n, y, m->c.hidden,
 			     chunk_for(m, m->c.hidden, n, 1));
 	}
@@ -891,8 +903,7 @@ static int local_experts(struct ro_model *m, uint32_t l, const float *x, const i
 	if (r)
 		goto out;
 	run_jobs(m, &J);
-	for (size_t i = 0; i < TK * F; i++)
-		g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+	swiglu(g, u, TK * F);
 	for (uint32_t e = 0; e < E && !r; e++) {
 		uint32_t n = off[e + 1] - off[e];
 
@@ -1009,14 +1020,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				f.seq[t] = s;
 				f.pos[t] = s->len + j;
 				for (uint32_t d = 0; d < H; d++)
-					f.x[(size_t)t * H + d] =
-					    m->embed->dtype == RO_F32
-						? ((const float *)m->embed->data)[e + d]
-					    : m->embed->dtype == RO_BF16
-						? ro_bf16_to_f32(
-						      ((const uint16_t *)m->embed->data)[e + d])
-						: ro_f16_to_f32(
-						      ((const uint16_t *)m->embed->data)[e + d]);
+					f.x[(size_t)t * H + d] = elem(m->embed, e + d);
 				/* HF computes inv_freq and the angles in float32 */
 				for (uint32_t d = 0; d < hd / 2; d++) {
 					float inv = (float)(1.0 / pow(c->rope_theta, (double)(2 * d) / hd));
@@ -1062,8 +1066,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 						  chunk_for(m, L->ffn, T, 2))))
 					goto out;
 				run_jobs(m, &J);
-				for (size_t i = 0; i < (size_t)T * L->ffn; i++)
-					g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+				swiglu(g, u, (size_t)T * L->ffn);
 				if ((r = jobs_add(&J, &L->down[0], g, T, y, H, chunk_for(m, H, T, 1))))
 					goto out;
 				run_jobs(m, &J);
