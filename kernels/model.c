@@ -40,6 +40,8 @@ struct ro_model {
 	/* workspace, grown to the largest batch seen */
 	float *ws;
 	size_t ws_len;
+	float *ews; /* ro_model_experts scratch (called from inside a forward) */
+	size_t ews_len;
 };
 
 struct ro_seq {
@@ -442,6 +444,7 @@ struct ro_model *ro_model_free(struct ro_model *m)
 		free(m->owned[i]);
 	free(m->owned);
 	free(m->ws);
+	free(m->ews);
 	ro_st_free(m->st);
 	free(m);
 	return NULL;
@@ -858,69 +861,123 @@ static void route(const struct ro_model_config *c, const float *logits, int32_t 
 		}
 }
 
-/* Every selected expert's output for every token, computed here: gather each expert's
- * tokens, run gate/up for all experts at once, then down, then scatter back. */
-static int local_experts(struct ro_model *m, uint32_t l, const float *x, const int32_t *ids,
-			 uint32_t T, float *out, float *scratch)
+/* Run n (row, expert) pairs of layer l: y[i] = expert[experts[i]](x[i]). Each
+ * expert's rows are gathered, gate/up run for all experts at once, then down, then the
+ * results scattered back. A row's result does not depend on what else is in the batch, so
+ * the expert-parallel path (pairs received from other ranks) equals the local one. Uses
+ * its own scratch: a transport calls it from inside ro_model_forward. */
+int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
+		     const int32_t *experts, size_t n, float *y)
 {
 	const struct ro_model_config *c = &m->c;
-	const struct layer *L = &m->L[l];
-	const uint32_t E = c->experts, K = c->top_k, H = c->hidden, F = L->ffn;
-	const size_t TK = (size_t)T * K;
-	uint32_t *cnt = calloc(E + 1, sizeof(*cnt)), *off = calloc(E + 1, sizeof(*off));
-	uint32_t *slot = malloc(TK * sizeof(*slot)); /* gathered row -> token*K + j */
-	float *xe = scratch, *g = xe + TK * H, *u = g + TK * F, *ye = u + TK * F;
+	const struct layer *L;
+	const uint32_t E = c->experts, H = c->hidden;
+	uint32_t F, *cnt, *off, *slot;
+	float *xe, *g, *u, *ye;
 	struct jobs J = {0};
 	int r = 0;
 
+	if (l >= c->layers || m->L[l].dense)
+		return -EINVAL;
+	for (size_t i = 0; i < n; i++)
+		if (experts[i] < 0 || (uint32_t)experts[i] >= E)
+			return -EINVAL;
+	if (!n)
+		return 0;
+	L = &m->L[l];
+	F = L->ffn;
+	if (n * (H * 2 + F * 2) > m->ews_len) {
+		float *p = realloc(m->ews, n * (H * 2 + F * 2) * sizeof(float));
+
+		if (!p)
+			return -ENOMEM;
+		m->ews = p;
+		m->ews_len = n * (H * 2 + F * 2);
+	}
+	xe = m->ews;
+	g = xe + n * H;
+	u = g + n * F;
+	ye = u + n * F;
+	cnt = calloc(E + 1, sizeof(*cnt));
+	off = calloc(E + 1, sizeof(*off));
+	slot = malloc(n * sizeof(*slot)); /* gathered row -> pair */
 	if (!cnt || !off || !slot) {
 		r = -ENOMEM;
 		goto out;
 	}
-	for (size_t i = 0; i < TK; i++)
-		cnt[ids[i]]++;
+	for (size_t i = 0; i < n; i++)
+		cnt[experts[i]]++;
 	for (uint32_t e = 0; e < E; e++)
 		off[e + 1] = off[e] + cnt[e];
 	memset(cnt, 0, (E + 1) * sizeof(*cnt));
-	for (size_t i = 0; i < TK; i++) {
-		uint32_t e = (uint32_t)ids[i], row = off[e] + cnt[e]++;
+	for (size_t i = 0; i < n; i++) {
+		uint32_t e = (uint32_t)experts[i], row = off[e] + cnt[e]++;
 
 		slot[row] = (uint32_t)i;
-		memcpy(xe + (size_t)row * H, x + (i / K) * H, H * sizeof(float));
+		memcpy(xe + (size_t)row * H, x[i], H * sizeof(float));
 	}
 	for (uint32_t e = 0; e < E && !r; e++) {
-		uint32_t n = off[e + 1] - off[e];
+		uint32_t k = off[e + 1] - off[e];
 
-		if (!n)
+		if (!k)
 			continue;
 		m->experts_run++;
-		r = jobs_add(&J, &L->gate[e], xe + (size_t)off[e] * H, n, g + (size_t)off[e] * F, F,
-			     chunk_for(m, F, n, 2 * K));
+		r = jobs_add(&J, &L->gate[e], xe + (size_t)off[e] * H, k, g + (size_t)off[e] * F, F,
+			     chunk_for(m, F, k, 2 * c->top_k));
 		if (!r)
-			r = jobs_add(&J, &L->up[e], xe + (size_t)off[e] * H, n,
-				     u + (size_t)off[e] * F, F, chunk_for(m, F, n, 2 * K));
+			r = jobs_add(&J, &L->up[e], xe + (size_t)off[e] * H, k,
+				     u + (size_t)off[e] * F, F, chunk_for(m, F, k, 2 * c->top_k));
 	}
 	if (r)
 		goto out;
 	run_jobs(m, &J);
-	swiglu(g, u, TK * F);
+	swiglu(g, u, n * F);
 	for (uint32_t e = 0; e < E && !r; e++) {
-		uint32_t n = off[e + 1] - off[e];
+		uint32_t k = off[e + 1] - off[e];
 
-		if (n)
-			r = jobs_add(&J, &L->down[e], g + (size_t)off[e] * F, n,
-				     ye + (size_t)off[e] * H, H, chunk_for(m, H, n, K));
+		if (k)
+			r = jobs_add(&J, &L->down[e], g + (size_t)off[e] * F, k,
+				     ye + (size_t)off[e] * H, H, chunk_for(m, H, k, c->top_k));
 	}
 	if (r)
 		goto out;
 	run_jobs(m, &J);
-	for (size_t row = 0; row < TK; row++)
-		memcpy(out + (size_t)slot[row] * H, ye + row * H, H * sizeof(float));
+	for (size_t row = 0; row < n; row++)
+		memcpy(y + (size_t)slot[row] * H, ye + row * H, H * sizeof(float));
 out:
 	free(J.j);
 	free(cnt);
 	free(off);
 	free(slot);
+	return r;
+}
+
+/* Every selected expert's output for every token, computed here. */
+static int local_experts(struct ro_model *m, uint32_t l, const float *x, const int32_t *ids,
+			 uint32_t T, float *out)
+{
+	const size_t TK = (size_t)T * m->c.top_k;
+	const float **rows = malloc(TK * sizeof(*rows));
+	int r;
+
+	if (!rows)
+		return -ENOMEM;
+	for (size_t i = 0; i < TK; i++)
+		rows[i] = x + (i / m->c.top_k) * m->c.hidden;
+	r = ro_model_experts(m, l, rows, ids, TK, out);
+	free(rows);
+	return r;
+}
+
+/* A rank with no tokens still takes part in every MoE layer's exchange, in layer order. */
+static int forward_idle(struct ro_model *m)
+{
+	int r = 0;
+
+	for (uint32_t l = 0; l < m->c.layers && !r; l++)
+		if (!m->L[l].dense)
+			r = m->xch.exchange(m->xch.ctx, l, NULL, NULL, 0, m->c.top_k, m->c.hidden,
+					    NULL);
 	return r;
 }
 
@@ -976,7 +1033,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			f.max_ctx = items[i].seq->len + items[i].n;
 	}
 	if (!T)
-		return 0;
+		return m->have_xch ? forward_idle(m) : 0;
 	m->experts_run = 0;
 	for (size_t i = 0; i < count; i++) {
 		r = seq_reserve(items[i].seq, items[i].seq->len + items[i].n);
@@ -1084,7 +1141,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			if (m->have_xch)
 				r = m->xch.exchange(m->xch.ctx, l, f.h, ids, T, K, H, moe_out);
 			else
-				r = local_experts(m, l, f.h, ids, T, moe_out, scratch);
+				r = local_experts(m, l, f.h, ids, T, moe_out);
 			if (r)
 				goto out;
 			/* combine: the weighted outputs summed in expert order, then the residual */

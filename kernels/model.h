@@ -78,9 +78,11 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 
 /* ---- expert layer ---------------------------------------------------------------------- */
 
-/* The expert-parallel transport: with none, every expert is local. dispatch sends each
- * token's hidden state to the ranks owning its experts; combine brings back each (token,
- * expert) output. A later transport plugs in here without touching the forward pass. */
+/* The expert-parallel transport: with none, every expert is local. exchange sends each
+ * token's hidden state to the ranks owning its experts and brings back each (token,
+ * expert) output; ro_ep_attach() plugs the libfabric one in. With a transport attached,
+ * ro_model_forward with no tokens still joins every MoE layer's exchange (tokens = 0,
+ * x/ids/out NULL): every rank takes part in every layer. */
 struct ro_moe_exchange {
 	void *ctx;
 	uint32_t rank, world; /* experts e with e % world == rank are local */
@@ -90,10 +92,107 @@ struct ro_moe_exchange {
 			uint32_t tokens, uint32_t top_k, uint32_t hidden, float *out);
 };
 void ro_model_set_exchange(struct ro_model *m, const struct ro_moe_exchange *x);
-/* Run expert e of layer on rows x[n][hidden] into y[n][hidden] (for a transport's remote
- * side; the local path uses it too). */
+/* Run expert e of layer on rows x[n][hidden] into y[n][hidden]. */
 int ro_model_expert(struct ro_model *m, uint32_t layer, uint32_t e, const float *x, uint32_t n,
 		    float *y);
+/* Run n (row, expert) pairs of a MoE layer: y[i][hidden] = expert experts[i] applied to the
+ * row x[i] (hidden floats). Bitwise what the single-rank forward computes for that pair. */
+int ro_model_experts(struct ro_model *m, uint32_t layer, const float *const *x,
+		     const int32_t *experts, size_t n, float *y);
+
+/* ---- expert parallelism over libfabric (kernels/ep/) ---------------------------------- *
+ * An EP group of `world` ranks (processes): attention stays with each rank's own sequences;
+ * expert e of every MoE layer lives on rank e % world. Per layer each token's hidden state
+ * goes once to each rank that owns one of its experts (dispatch), and each selected
+ * expert's output comes back to the token's home rank (combine), which sums them in expert
+ * order: the EP forward is bitwise the single-rank forward (with f32 payloads).
+ * Transport: libfabric RDM endpoints, RMA writes into one pre-registered region per rank,
+ * completion by 4 bytes of remote CQ data (never by "the last byte arrived"). Every wait
+ * has a deadline; on expiry the error (-ETIMEDOUT) names the late peer. */
+
+enum ro_ep_mode {
+	RO_EP_AUTO,	    /* low-latency when every rank's exchange fits ll_tokens */
+	RO_EP_LOW_LATENCY,  /* fixed per-source slots, no count round trip (decode) */
+	RO_EP_THROUGHPUT,   /* counts first, then exact-size packed rows (prefill) */
+};
+enum ro_ep_dtype { RO_EP_F32, RO_EP_BF16 };
+
+struct ro_ep_opts {
+	const char *provider; /* "efa", "tcp", "shm", ...; NULL, "" or "auto": best available */
+	uint32_t rank, world; /* world <= 64 */
+	uint32_t hidden, top_k, experts;
+	uint32_t max_tokens; /* per rank and exchange; larger batches go in several passes */
+	uint32_t ll_tokens;  /* per rank, the low-latency slot (the decode batch) */
+	enum ro_ep_mode mode;
+	enum ro_ep_dtype dispatch_dtype, combine_dtype; /* BF16: half the bytes, not bitwise */
+	uint32_t timeout_ms;				/* any wait past it fails, naming the peer */
+};
+void ro_ep_opts_default(struct ro_ep_opts *o);
+
+struct ro_ep;
+int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t errlen);
+struct ro_ep *ro_ep_free(struct ro_ep *ep);
+/* The provider in use ("tcp;ofi_rxm", "shm", "efa") and the last error's message. */
+const char *ro_ep_provider(const struct ro_ep *ep);
+const char *ro_ep_errmsg(const struct ro_ep *ep);
+uint32_t ro_ep_rank(const struct ro_ep *ep);
+uint32_t ro_ep_world(const struct ro_ep *ep);
+
+/* Rendezvous: this rank's card (fabric address, region address and key; at most
+ * RO_EP_CARD_MAX bytes), then every rank's card, by rank, own included. */
+#define RO_EP_CARD_MAX 512
+int ro_ep_card(struct ro_ep *ep, void *buf, size_t *ret_len);
+int ro_ep_connect(struct ro_ep *ep, const void *const *cards, const size_t *lens);
+
+/* One exchange, for tests and benchmarks (the model calls it through ro_ep_attach).
+ * Every rank calls dispatch then combine with the same layer and mode. dispatch packs
+ * x[tokens][hidden] for the ranks that own ids[tokens][top_k] and returns what this rank
+ * received: rows by source rank, and the (row, local expert) pairs to run. combine sends
+ * y[pairs][hidden] (the outputs in pair order, written in ro_ep_combine_buffer) back and
+ * fills the dispatching call's out[tokens][top_k][hidden]. */
+struct ro_ep_batch {
+	uint32_t rows;
+	const float *const *x;	  /* [rows] -> hidden floats */
+	const uint32_t *row_src;  /* [rows] source rank */
+	size_t pairs;
+	const uint32_t *pair_row; /* [pairs] */
+	const int32_t *pair_expert;
+	const float *const *pair_x; /* [pairs] -> that pair's row */
+};
+void ro_ep_set_mode(struct ro_ep *ep, enum ro_ep_mode mode); /* LOW_LATENCY or THROUGHPUT */
+int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32_t *ids,
+		   uint32_t tokens, const struct ro_ep_batch **ret);
+float *ro_ep_combine_buffer(struct ro_ep *ep);
+int ro_ep_combine(struct ro_ep *ep, float *out);
+
+/* Counters: exchanges, payload bytes sent (logical: rows x hidden x element size). */
+struct ro_ep_stats {
+	uint64_t exchanges, ll_exchanges, dispatch_bytes, combine_bytes, syncs;
+	double dispatch_ms, combine_ms, sync_ms;
+};
+void ro_ep_stats(const struct ro_ep *ep, struct ro_ep_stats *ret);
+
+/* ---- the group step: what rolloutd runs ---- *
+ * Ranks call the model a different number of times per loop (prefills, decode steps);
+ * each forward is a collective. ro_ep_forward first all-gathers one small record (so
+ * every rank learns the group's largest batch: the mode and the pass count), then runs
+ * the forward with the EP exchange. ro_ep_round_end joins the forwards other ranks still
+ * make (with no tokens) until every rank has ended its round, and returns what the group
+ * said: the in-band drain (the earliest deadline) and whether every rank is done. */
+struct ro_ep_note {
+	bool draining;
+	bool done;	     /* drained and holding nothing: ready to exit */
+	int64_t deadline_ms; /* when draining: ms since the epoch */
+};
+struct ro_ep_group {
+	bool draining, all_done;
+	int64_t deadline_ms; /* the earliest of the draining ranks */
+	uint32_t first_draining;
+};
+void ro_ep_attach(struct ro_ep *ep, struct ro_model *m);
+int ro_ep_forward(struct ro_ep *ep, struct ro_fwd_item *items, size_t count,
+		  const struct ro_ep_note *mine);
+int ro_ep_round_end(struct ro_ep *ep, const struct ro_ep_note *mine, struct ro_ep_group *ret);
 
 /* ---- sampling -------------------------------------------------------------------------- */
 

@@ -1318,3 +1318,98 @@ int ro_queue_read_samples(struct ro_queue *q, char cursor[48], uint32_t count, u
 	freeReplyObject(rep);
 	return n;
 }
+
+/* ---- expert-parallel rendezvous ------------------------------------------------------ */
+
+/* Each rank of group publishes its card (its fabric address and region key) as field
+ * <rank> of ro:{q}:ep:<group>, then polls until all world fields are there. A card left by
+ * a rank that died is overwritten when that rank restarts; until then a peer that read it
+ * fails its first group step by timeout and is restarted too, so a group converges. */
+int ro_queue_ep_rendezvous(struct ro_queue *q, const char *group, uint32_t rank, uint32_t world,
+			   const void *card, size_t len, uint32_t timeout_ms, void **ret_cards,
+			   size_t *ret_lens)
+{
+	char key[256], sub[160], field[16];
+	const int64_t deadline = mono_ms() + timeout_ms;
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	if (!group || !*group || strlen(group) > 120 || rank >= world)
+		return fail(q, -EINVAL, "ep rendezvous: group '%s', rank %u of %u", group ? group : "",
+			    rank, world);
+	(void)snprintf(sub, sizeof(sub), "ep:%s", group);
+	ro_queue_key(q, sub, key, sizeof(key));
+	(void)snprintf(field, sizeof(field), "%u", rank);
+	args_str(&a, "HSET");
+	args_str(&a, key);
+	args_str(&a, field);
+	args_add(&a, card, len);
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	freeReplyObject(rep);
+	{
+		const char *argv[] = {"PEXPIRE", key, "86400000"};
+
+		(void)cmd_int(q, &r, 3, argv);
+		if (r)
+			return r;
+	}
+	for (;;) {
+		const char *argv[] = {"HGETALL", key};
+		uint32_t have = 0;
+
+		r = cmd(q, &rep, 2, argv);
+		if (r)
+			return r;
+		memset(ret_cards, 0, world * sizeof(*ret_cards));
+		for (size_t i = 0; rep->type == REDIS_REPLY_ARRAY && i + 1 < rep->elements; i += 2) {
+			const redisReply *f = rep->element[i], *v = rep->element[i + 1];
+			char *end;
+			unsigned long k;
+
+			if (!is_str(f) || !is_str(v))
+				continue;
+			k = strtoul(f->str, &end, 10);
+			if (*end || k >= world || ret_cards[k])
+				continue;
+			ret_cards[k] = malloc(v->len ? v->len : 1);
+			if (!ret_cards[k]) {
+				r = -ENOMEM;
+				break;
+			}
+			memcpy(ret_cards[k], v->str, v->len);
+			ret_lens[k] = v->len;
+			have++;
+		}
+		freeReplyObject(rep);
+		if (!r && have == world)
+			return 0;
+		for (uint32_t k = 0; k < world; k++) {
+			free(ret_cards[k]);
+			ret_cards[k] = NULL;
+		}
+		if (r)
+			return r;
+		if (mono_ms() > deadline)
+			return fail(q, -ETIMEDOUT,
+				    "ep rendezvous: %u of %u ranks of group %s after %u ms", have,
+				    world, group, timeout_ms);
+		sleep_ms(20);
+	}
+}
+
+int ro_queue_ep_leave(struct ro_queue *q, const char *group, uint32_t rank)
+{
+	char key[256], sub[160], field[16];
+	const char *argv[] = {"HDEL", key, field};
+	int r = 0;
+
+	(void)snprintf(sub, sizeof(sub), "ep:%s", group);
+	ro_queue_key(q, sub, key, sizeof(key));
+	(void)snprintf(field, sizeof(field), "%u", rank);
+	(void)cmd_int(q, &r, 3, argv);
+	return r;
+}

@@ -193,6 +193,14 @@ int ro_queue_read_samples(struct ro_queue *q, char cursor[48], uint32_t count, u
 /* The key of a suffix under this queue's prefix ("pending" -> "ro:{q}:pending"). */
 const char *ro_queue_key(struct ro_queue *q, const char *suffix, char *buf, size_t len);
 
+/* Expert-parallel rendezvous: publish this rank's card under ro:{q}:ep:<group> and wait
+ * (up to timeout_ms) for every rank's; ret_cards[world] (malloc'd, free each) and
+ * ret_lens[world] by rank. ro_queue_ep_leave removes this rank's card (on a clean exit). */
+int ro_queue_ep_rendezvous(struct ro_queue *q, const char *group, uint32_t rank, uint32_t world,
+			   const void *card, size_t len, uint32_t timeout_ms, void **ret_cards,
+			   size_t *ret_lens);
+int ro_queue_ep_leave(struct ro_queue *q, const char *group, uint32_t rank);
+
 /* Progress encoding (the checkpoint format stored in the unit hash). */
 char *ro_progress_encode(const struct ro_progress *p);
 int ro_progress_decode(const char *s, uint32_t idx, struct ro_progress *ret);

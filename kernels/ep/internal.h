@@ -1,0 +1,41 @@
+/* Private to kernels/ep/: the libfabric transport (fabric.c) under the dispatch/combine
+ * protocol (dispatch.c). One RDM endpoint, one registered region peers write into, one
+ * registered send area, RMA writes that carry 4 bytes of remote CQ data. */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct ro_fab;
+
+/* Open an RDM endpoint on provider (NULL: best available) with a region of region_len
+ * bytes that peers may write and a send area of send_len bytes (both zeroed, lazily
+ * backed). */
+int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct ro_fab **ret,
+		char *err, size_t errlen);
+struct ro_fab *ro_fab_close(struct ro_fab *f);
+const char *ro_fab_provider(const struct ro_fab *f);
+void *ro_fab_region(struct ro_fab *f);
+void *ro_fab_send(struct ro_fab *f);
+/* Bytes one RMA write carries at most: longer messages go in chunks, each with its own CQ
+ * data (no ordering between them is assumed). Same for every rank of a provider. */
+size_t ro_fab_chunk(const struct ro_fab *f);
+
+int ro_fab_card(struct ro_fab *f, void *buf, size_t *ret_len);
+int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *const *cards,
+		   const size_t *lens, char *err, size_t errlen);
+
+/* Write len bytes (len may be 0) from the send area at soff into peer's region at roff,
+ * in chunks, each chunk delivering `data` to the peer's completion queue. Writes to this
+ * rank itself are a memcpy, their arrival seen by the next poll. */
+int ro_fab_write(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t roff,
+		 uint32_t data, char *err, size_t errlen);
+/* Progress the completion queue: every remote CQ data entry goes to on_data. Returns the
+ * number of entries handled, or -errno with the message (naming the peer) in err. */
+typedef void (*ro_fab_data_fn)(void *arg, uint32_t data);
+int ro_fab_poll(struct ro_fab *f, ro_fab_data_fn on_data, void *arg, char *err, size_t errlen);
+/* How long a write may wait for the provider to accept it (default 10 s). */
+void ro_fab_set_timeout(struct ro_fab *f, uint32_t ms);
+/* Writes posted and not yet completed locally. */
+uint64_t ro_fab_pending(const struct ro_fab *f);

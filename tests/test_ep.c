@@ -1,0 +1,396 @@
+/* kernels/ep: dispatch and combine between real processes over libfabric's tcp provider
+ * (bound to lo) and shm, rendezvous through a real redis-server. Random, skewed, one-rank
+ * and empty routings for W = 2, 3, 4 in both modes, received rows and returned outputs
+ * checked exactly; the EP forward bitwise equal to the single-rank forward; a dead rank
+ * named by the others within the timeout. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kernels/model.h"
+#include "queue/queue.h"
+#include "tests/redis_fixture.h"
+#include "tests/redis_hooks.h"
+
+#define H 48
+#define K 4
+#define E 32
+#define CAP 96
+#define LL 24
+
+static void setup(void)
+{
+	setenv("FI_TCP_IFACE", "lo", 1);
+	setenv("FI_SOCKETS_IFACE", "lo", 1);
+}
+
+TestSuite(ep, .init = setup, .timeout = 240);
+
+struct group {
+	const char *provider;
+	uint32_t world;
+	char name[64];
+	enum ro_ep_dtype dtype;
+	uint32_t timeout_ms;
+};
+
+/* In a child: print why and exit 1. */
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	(void)vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	(void)fputc('\n', stderr);
+	_exit(1);
+}
+
+/* This rank's endpoint, connected to the group through Redis. */
+static struct ro_ep *join(const struct group *g, uint32_t rank, uint32_t max_tokens,
+			  uint32_t ll, uint32_t hidden, uint32_t top_k, uint32_t experts)
+{
+	struct ro_queue_opts qo = {.url = ro_test_redis_url(), .queue = "ep-test"};
+	struct ro_ep_opts o;
+	struct ro_queue *q = NULL;
+	struct ro_ep *ep = NULL;
+	uint8_t card[RO_EP_CARD_MAX];
+	void *cards[64];
+	size_t len, lens[64];
+	char err[256];
+	int r;
+
+	ro_ep_opts_default(&o);
+	o.provider = g->provider;
+	o.rank = rank;
+	o.world = g->world;
+	o.hidden = hidden;
+	o.top_k = top_k;
+	o.experts = experts;
+	o.max_tokens = max_tokens;
+	o.ll_tokens = ll;
+	o.dispatch_dtype = o.combine_dtype = g->dtype;
+	o.timeout_ms = g->timeout_ms ? g->timeout_ms : 20000;
+	r = ro_ep_new(&o, &ep, err, sizeof(err));
+	if (r)
+		die("rank %u: ro_ep_new: %s", rank, err);
+	if (ro_ep_card(ep, card, &len))
+		die("rank %u: card: %s", rank, ro_ep_errmsg(ep));
+	if (ro_queue_new(&qo, &q))
+		die("rank %u: redis: %s", rank, ro_queue_errmsg(NULL));
+	r = ro_queue_ep_rendezvous(q, g->name, rank, g->world, card, len, 20000, cards, lens);
+	if (r)
+		die("rank %u: rendezvous: %s", rank, ro_queue_errmsg(q));
+	r = ro_ep_connect(ep, (const void *const *)cards, lens);
+	if (r)
+		die("rank %u: connect: %s", rank, ro_ep_errmsg(ep));
+	for (uint32_t i = 0; i < g->world; i++)
+		free(cards[i]);
+	(void)ro_queue_free(q);
+	return ep;
+}
+
+/* Fork world ranks running fn; every one must exit 0 within the time limit. */
+static void run_group(struct group *g, void (*fn)(const struct group *, uint32_t))
+{
+	pid_t pid[8];
+	static int seq;
+	time_t t0 = time(NULL);
+
+	(void)snprintf(g->name, sizeof(g->name), "g%d-%d", (int)getpid(), seq++);
+	for (uint32_t r = 0; r < g->world; r++) {
+		pid[r] = fork();
+		cr_assert_geq(pid[r], 0);
+		if (!pid[r]) {
+			fn(g, r);
+			_exit(0);
+		}
+	}
+	for (uint32_t r = 0; r < g->world; r++) {
+		int st = 0;
+
+		for (;;) {
+			pid_t w = waitpid(pid[r], &st, WNOHANG);
+
+			if (w == pid[r])
+				break;
+			if (time(NULL) - t0 > 150) {
+				for (uint32_t k = 0; k < g->world; k++)
+					(void)kill(pid[k], SIGKILL);
+				cr_assert_fail("%s W=%u: rank %u still running after 150 s", g->provider,
+					       g->world, r);
+			}
+			usleep(10000);
+		}
+		cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0,
+			  "%s W=%u: rank %u failed (status %d)", g->provider, g->world, r, st);
+	}
+}
+
+/* ---- dispatch / combine with synthetic experts ------------------------------------- */
+
+enum routing { UNIFORM, HOT, ONE_RANK, SOME_EMPTY, N_ROUTING };
+static const char *const routing_name[] = {"uniform", "hot expert", "all to rank 0",
+					   "some ranks empty"};
+
+static uint64_t mix(uint64_t x)
+{
+	x += 0x9e3779b97f4a7c15ull;
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+	return x ^ (x >> 31);
+}
+
+static uint32_t tokens_of(enum routing rt, uint32_t rank, uint32_t round, uint32_t cap)
+{
+	if (rt == SOME_EMPTY && rank % 2 == 1)
+		return 0;
+	return 1 + (uint32_t)(mix(rank * 977 + round * 31 + rt) % cap);
+}
+
+/* The routing rank `rank` uses in round `round`: any rank can recompute it. Top-k ids are
+ * distinct and sorted, as the model's router gives them. */
+static void routing(enum routing rt, uint32_t rank, uint32_t round, uint32_t world, uint32_t T,
+		    int32_t *ids)
+{
+	for (uint32_t t = 0; t < T; t++) {
+		int32_t *row = ids + (size_t)t * K;
+		uint32_t n = 0;
+		uint64_t s = mix(((uint64_t)rank << 40) ^ ((uint64_t)round << 20) ^ t ^ (uint64_t)rt << 56);
+
+		if (rt == HOT)
+			row[n++] = 5;
+		while (n < K) {
+			int32_t e;
+			bool dup = false;
+
+			s = mix(s);
+			e = rt == ONE_RANK ? (int32_t)((s % (E / world)) * world)
+					   : (int32_t)(s % E);
+			for (uint32_t i = 0; i < n; i++)
+				dup |= row[i] == e;
+			if (!dup)
+				row[n++] = e;
+		}
+		for (uint32_t j = 1; j < K; j++)
+			for (uint32_t i = j; i > 0 && row[i - 1] > row[i]; i--) {
+				int32_t tmp = row[i];
+
+				row[i] = row[i - 1];
+				row[i - 1] = tmp;
+			}
+	}
+}
+
+/* Values exact in bf16 too: small multiples of 1/4. */
+static float xval(uint32_t rank, uint32_t round, uint32_t t, uint32_t d)
+{
+	return (float)((int)(mix(rank * 7919 + round * 104729 + t * 131 + d) % 64) - 32) * 0.25f;
+}
+
+/* The synthetic expert: exact in bf16 (power-of-two scale) and expert-specific in f32. */
+static float expert_fn(float x, int32_t e, bool bf16)
+{
+	return bf16 ? x * (float)(1 << (e % 8)) : x * (float)(e + 1) + (float)e * 0.5f;
+}
+
+static void exchange_rounds(const struct group *g, uint32_t rank)
+{
+	struct ro_ep *ep = join(g, rank, CAP, LL, H, K, E);
+	const bool bf16 = g->dtype == RO_EP_BF16;
+	float *x = malloc(CAP * H * sizeof(float)), *out = malloc(CAP * K * H * sizeof(float));
+	int32_t *ids = malloc(CAP * K * sizeof(int32_t)), *sids = malloc(CAP * K * sizeof(int32_t));
+	uint32_t round = 0;
+
+	for (int mode = 0; mode < 2; mode++) {
+		enum ro_ep_mode m = mode ? RO_EP_THROUGHPUT : RO_EP_LOW_LATENCY;
+		uint32_t cap = mode ? CAP : LL;
+
+		ro_ep_set_mode(ep, m);
+		for (uint32_t rt = 0; rt < N_ROUTING; rt++) {
+			for (uint32_t rep = 0; rep < 2; rep++, round++) {
+				const struct ro_ep_batch *b;
+				uint32_t T = tokens_of(rt, rank, round, cap), row = 0;
+				size_t pair = 0;
+				float *y;
+
+				for (uint32_t t = 0; t < T; t++)
+					for (uint32_t d = 0; d < H; d++)
+						x[t * H + d] = xval(rank, round, t, d);
+				routing(rt, rank, round, g->world, T, ids);
+				if (ro_ep_dispatch(ep, round % 7, x, ids, T, &b))
+					die("rank %u %s %s: dispatch: %s", rank,
+					    mode ? "throughput" : "low-latency", routing_name[rt],
+					    ro_ep_errmsg(ep));
+				/* what arrived: every source's tokens that picked one of our
+				 * experts, in its order, with exactly those experts */
+				for (uint32_t s = 0; s < g->world; s++) {
+					uint32_t Ts = tokens_of(rt, s, round, cap);
+
+					routing(rt, s, round, g->world, Ts, sids);
+					for (uint32_t t = 0; t < Ts; t++) {
+						bool mine = false;
+
+						for (uint32_t j = 0; j < K; j++)
+							mine |= sids[t * K + j] % g->world == rank;
+						if (!mine)
+							continue;
+						if (row >= b->rows || b->row_src[row] != s)
+							die("rank %u: row %u should come from rank %u",
+							    rank, row, s);
+						for (uint32_t d = 0; d < H; d++)
+							if (b->x[row][d] != xval(s, round, t, d))
+								die("rank %u %s: row %u (rank %u token "
+								    "%u) element %u is %g, want %g",
+								    rank, routing_name[rt], row, s, t, d,
+								    b->x[row][d], xval(s, round, t, d));
+						for (uint32_t j = 0; j < K; j++) {
+							if (sids[t * K + j] % g->world != rank)
+								continue;
+							if (pair >= b->pairs || b->pair_row[pair] != row ||
+							    b->pair_expert[pair] != sids[t * K + j] ||
+							    b->pair_x[pair] != b->x[row])
+								die("rank %u: pair %zu wrong", rank, pair);
+							pair++;
+						}
+						row++;
+					}
+				}
+				if (row != b->rows || pair != b->pairs)
+					die("rank %u %s: %u rows %zu pairs, want %u %zu", rank,
+					    routing_name[rt], b->rows, b->pairs, row, pair);
+				y = ro_ep_combine_buffer(ep);
+				for (size_t p = 0; p < b->pairs; p++)
+					for (uint32_t d = 0; d < H; d++)
+						y[p * H + d] = expert_fn(b->pair_x[p][d],
+									 b->pair_expert[p], bf16);
+				memset(out, 0xff, (size_t)CAP * K * H * sizeof(float));
+				if (ro_ep_combine(ep, out))
+					die("rank %u: combine: %s", rank, ro_ep_errmsg(ep));
+				for (uint32_t t = 0; t < T; t++)
+					for (uint32_t j = 0; j < K; j++)
+						for (uint32_t d = 0; d < H; d++) {
+							float want = expert_fn(x[t * H + d],
+									       ids[t * K + j], bf16);
+							float got = out[((size_t)t * K + j) * H + d];
+
+							if (memcmp(&got, &want, sizeof(got)))
+								die("rank %u %s %s: token %u expert %d "
+								    "element %u: %g, want %g",
+								    rank,
+								    mode ? "throughput" : "low-latency",
+								    routing_name[rt], t, ids[t * K + j], d,
+								    got, want);
+						}
+			}
+		}
+	}
+	free(x);
+	free(out);
+	free(ids);
+	free(sids);
+	(void)ro_ep_free(ep);
+}
+
+static void exchanges(const char *provider, enum ro_ep_dtype dtype)
+{
+	for (uint32_t w = 2; w <= 4; w++) {
+		struct group g = {.provider = provider, .world = w, .dtype = dtype};
+
+		run_group(&g, exchange_rounds);
+	}
+}
+
+Test(ep, dispatch_combine_tcp)
+{
+	exchanges("tcp", RO_EP_F32);
+}
+
+Test(ep, dispatch_combine_shm)
+{
+	exchanges("shm", RO_EP_F32);
+}
+
+Test(ep, dispatch_combine_bf16_shm)
+{
+	struct group g = {.provider = "shm", .world = 3, .dtype = RO_EP_BF16};
+
+	run_group(&g, exchange_rounds);
+}
+
+/* ---- a rank that dies ------------------------------------------------------------------ */
+
+static void dies_after_connect(const struct group *g, uint32_t rank)
+{
+	struct ro_ep *ep = join(g, rank, CAP, LL, H, K, E);
+	const struct ro_ep_batch *b;
+	float x[H] = {0};
+	int32_t ids[K] = {0, 1, 2, 3};
+	int r;
+
+	if (rank == 2)
+		(void)raise(SIGKILL);
+	ro_ep_set_mode(ep, RO_EP_LOW_LATENCY);
+	/* give the dead rank's process time to be gone */
+	usleep(200000);
+	r = ro_ep_dispatch(ep, 0, x, ids, 1, &b);
+	if (!r) {
+		float *y = ro_ep_combine_buffer(ep), out[K * H];
+
+		memset(y, 0, b->pairs * H * sizeof(float));
+		r = ro_ep_combine(ep, out);
+	}
+	if (r == 0)
+		die("rank %u: an exchange with a dead rank succeeded", rank);
+	if (!strstr(ro_ep_errmsg(ep), "rank 2"))
+		die("rank %u: error does not name rank 2: %s", rank, ro_ep_errmsg(ep));
+	/* and everything after fails at once */
+	if (ro_ep_dispatch(ep, 1, x, ids, 1, &b) != -EPIPE)
+		die("rank %u: a broken group accepted another exchange", rank);
+	(void)ro_ep_free(ep);
+	_exit(0);
+}
+
+static void dead_rank(const char *provider)
+{
+	struct group g = {.provider = provider, .world = 3, .timeout_ms = 1500};
+	pid_t pid[3];
+	static int seq;
+
+	(void)snprintf(g.name, sizeof(g.name), "dead%d-%d", (int)getpid(), seq++);
+	for (uint32_t r = 0; r < 3; r++) {
+		pid[r] = fork();
+		if (!pid[r])
+			dies_after_connect(&g, r);
+	}
+	for (uint32_t r = 0; r < 3; r++) {
+		int st;
+
+		cr_assert_eq(waitpid(pid[r], &st, 0), pid[r]);
+		if (r == 2)
+			cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+		else
+			cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0,
+				  "%s: rank %u did not report the dead rank (status %d)", provider, r,
+				  st);
+	}
+}
+
+Test(ep, dead_rank_named_tcp)
+{
+	dead_rank("tcp");
+}
+
+Test(ep, dead_rank_named_shm)
+{
+	dead_rank("shm");
+}
