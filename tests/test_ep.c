@@ -394,3 +394,176 @@ Test(ep, dead_rank_named_shm)
 {
 	dead_rank("shm");
 }
+
+/* ---- the EP forward equals the single-rank forward -------------------------------------- */
+
+static char model_dir[96];
+
+static void make_model_once(void)
+{
+	struct ro_make_model_opts o;
+	char err[256];
+
+	if (model_dir[0])
+		return;
+	(void)snprintf(model_dir, sizeof(model_dir), "/tmp/ro-ep-model-%d", (int)getpid());
+	ro_make_model_defaults(&o);
+	o.layers = 3;
+	o.dense_layers = 1u << 1; /* a dense layer between two MoE layers */
+	o.experts = 12;
+	o.top_k = 3;
+	o.seed = 11;
+	cr_assert_eq(ro_make_model(&o, model_dir, err, sizeof(err)), 0, "%s", err);
+}
+
+static void rm_model(void)
+{
+	char cmd[160];
+
+	if (!model_dir[0])
+		return;
+	(void)snprintf(cmd, sizeof(cmd), "rm -rf %s", model_dir);
+	(void)system(cmd);
+	model_dir[0] = 0;
+}
+
+/* Rank r's sequences: r + 1 of them, prompts of different lengths; rank 1 sits the first
+ * forward out (it only ends its round) and rank 0's first prompt is longer than the
+ * low-latency slot and than max_tokens, so the group runs throughput mode in two passes. */
+static void forward_equal(const struct group *g, uint32_t rank)
+{
+	struct ro_model *ref = NULL, *m = NULL;
+	struct ro_model_opts mo = {.threads = 1};
+	struct ro_ep *ep;
+	const struct ro_model_config *c;
+	struct ro_seq *sr[4], *se[4];
+	float *lr[4], *le[4];
+	int32_t prompt[4][48], next[4];
+	uint32_t n = rank + 1, plen[4];
+	struct ro_ep_group grp;
+	char err[256];
+
+	if (ro_model_load(model_dir, &mo, &ref, err, sizeof(err)) ||
+	    ro_model_load(model_dir, &mo, &m, err, sizeof(err)))
+		die("rank %u: load: %s", rank, err);
+	c = ro_model_config(m);
+	ep = join(g, rank, 32, 8, c->hidden, c->top_k, c->experts);
+	ro_ep_attach(ep, m);
+	for (uint32_t i = 0; i < n; i++) {
+		plen[i] = rank == 0 && i == 0 ? 45 : 3 + 2 * i + rank;
+		for (uint32_t t = 0; t < plen[i]; t++)
+			prompt[i][t] = (int32_t)(mix(rank * 1000 + i * 100 + t) % c->vocab);
+		if (ro_seq_new(ref, 64, &sr[i]) || ro_seq_new(m, 64, &se[i]))
+			die("seq");
+		lr[i] = malloc(c->vocab * sizeof(float));
+		le[i] = malloc(c->vocab * sizeof(float));
+	}
+	for (uint32_t step = 0, started = 0; step < 5; step++) {
+		struct ro_fwd_item ir[4], ie[4];
+		uint32_t k = 0;
+
+		if (!(rank == 1 && step == 0)) {
+			for (uint32_t i = 0; i < n; i++, k++) {
+				const int32_t *tok = started ? &next[i] : prompt[i];
+				uint32_t len = started ? 1 : plen[i];
+
+				ir[k] = (struct ro_fwd_item){sr[i], tok, len, lr[i], false};
+				ie[k] = (struct ro_fwd_item){se[i], tok, len, le[i], false};
+			}
+			if (ro_model_forward(ref, ir, k))
+				die("rank %u: reference forward failed", rank);
+			if (ro_ep_forward(ep, ie, k, NULL))
+				die("rank %u step %u: ep forward: %s", rank, step, ro_ep_errmsg(ep));
+			for (uint32_t i = 0; i < n; i++) {
+				uint32_t best = 0;
+
+				if (memcmp(lr[i], le[i], c->vocab * sizeof(float)))
+					die("rank %u step %u seq %u: EP logits differ from the "
+					    "single-rank forward",
+					    rank, step, i);
+				for (uint32_t v = 1; v < c->vocab; v++)
+					if (lr[i][v] > lr[i][best])
+						best = v;
+				next[i] = (int32_t)best;
+			}
+			started = 1;
+		}
+		if (ro_ep_round_end(ep, NULL, &grp))
+			die("rank %u step %u: round end: %s", rank, step, ro_ep_errmsg(ep));
+		if (grp.draining)
+			die("rank %u: a drain nobody asked for", rank);
+	}
+	/* rank 0 ran the throughput mode (its 45-token prefill) and the low-latency one */
+	{
+		struct ro_ep_stats st;
+
+		ro_ep_stats(ep, &st);
+		if (!st.ll_exchanges || st.ll_exchanges == st.exchanges)
+			die("rank %u: %llu of %llu exchanges low-latency: want both modes", rank,
+			    (unsigned long long)st.ll_exchanges, (unsigned long long)st.exchanges);
+	}
+	(void)ro_ep_free(ep);
+	for (uint32_t i = 0; i < n; i++) {
+		ro_seq_free(sr[i]);
+		ro_seq_free(se[i]);
+		free(lr[i]);
+		free(le[i]);
+	}
+	(void)ro_model_free(ref);
+	(void)ro_model_free(m);
+}
+
+/* In-band group drain: one rank's note reaches every rank, with the earliest deadline. */
+static void drain_note(const struct group *g, uint32_t rank)
+{
+	struct ro_model *m = NULL;
+	struct ro_model_opts mo = {.threads = 1};
+	struct ro_ep_note note = {0};
+	struct ro_ep_group grp;
+	struct ro_ep *ep;
+	char err[256];
+
+	if (ro_model_load(model_dir, &mo, &m, err, sizeof(err)))
+		die("load: %s", err);
+	ep = join(g, rank, 32, 8, ro_model_config(m)->hidden, ro_model_config(m)->top_k,
+		  ro_model_config(m)->experts);
+	ro_ep_attach(ep, m);
+	if (ro_ep_round_end(ep, &note, &grp) || grp.draining)
+		die("rank %u: first round: %s", rank, ro_ep_errmsg(ep));
+	if (rank == g->world - 1) {
+		note.draining = true;
+		note.deadline_ms = 5000;
+	}
+	if (rank == 0) {
+		note.draining = true;
+		note.deadline_ms = 9000;
+	}
+	if (ro_ep_round_end(ep, &note, &grp))
+		die("rank %u: %s", rank, ro_ep_errmsg(ep));
+	if (!grp.draining || grp.deadline_ms != 5000 || grp.first_draining != 0 || grp.all_done)
+		die("rank %u: group says draining %d deadline %lld first %u", rank, grp.draining,
+		    (long long)grp.deadline_ms, grp.first_draining);
+	note.done = true;
+	if (ro_ep_round_end(ep, &note, &grp) || !grp.all_done)
+		die("rank %u: all done not seen", rank);
+	(void)ro_ep_free(ep);
+	(void)ro_model_free(m);
+}
+
+Test(ep, forward_bitwise_equal, .fini = rm_model)
+{
+	make_model_once();
+	for (uint32_t w = 2; w <= 4; w += 2) {
+		struct group g = {.provider = w == 2 ? "tcp" : "shm", .world = w};
+
+		run_group(&g, forward_equal);
+	}
+}
+
+Test(ep, group_drain_in_band, .fini = rm_model)
+{
+	struct group g = {.provider = "shm", .world = 3};
+
+	make_model_once();
+	run_group(&g, drain_note);
+}
