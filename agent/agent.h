@@ -64,9 +64,16 @@ struct ro_agent {
 	int64_t lag;
 	struct ro_counters n;
 	int64_t log_limit[8];
+	/* expert parallelism: every forward is a collective of the group */
+	struct ro_ep *ep;
+	bool ep_failed;	 /* the group broke: requeue everything, exit non-zero */
+	bool group_busy; /* some rank ran a forward in the last round */
+	bool group_done; /* every rank drained and holds nothing */
 };
 
 /* worker.c */
+/* The model forward: alone, or as this rank's part of the EP group's collective. */
+int ro_agent_forward(struct ro_agent *a, struct ro_fwd_item *items, size_t count);
 int ro_worker_claim(struct ro_agent *a);
 int ro_worker_step(struct ro_agent *a);
 void ro_worker_housekeeping(struct ro_agent *a);

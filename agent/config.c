@@ -26,6 +26,8 @@ struct setting {
 };
 
 static const char *const rebalance_names[] = {"drain", "stop-claiming", "ignore", NULL};
+static const char *const ep_mode_names[] = {"auto", "low-latency", "throughput", NULL};
+static const char *const dtype_names[] = {"f32", "bf16", NULL};
 static const char *const level_names[] = {"emerg", "alert", "crit",  "err",
 					  "warning", "notice", "info", "debug", NULL};
 
@@ -87,6 +89,24 @@ static const struct setting table[] = {
      "policy version of the loaded weights (samples carry it)"},
     {"log-level", T_ENUM, F(log_level), "info", 0, 0, level_names,
      "err | warning | notice | info | debug"},
+    {"ep-group", T_STR, F(ep_group), "", 0, 0, NULL,
+     "expert-parallel group id (ranks meet under ro:{q}:ep:<group>); empty: no EP"},
+    {"ep-size", T_U32, F(ep_size), "1", 1, 64, NULL, "ranks in the EP group"},
+    {"ep-rank", T_U32, F(ep_rank), "0", 0, 63, NULL, "this process's rank in the group"},
+    {"ep-local-ranks", T_U32, F(ep_local_ranks), "0", 0, 64, NULL,
+     "run this many ranks of one group on this host (children of this process)"},
+    {"fabric-provider", T_STR, F(fabric_provider), "auto", 0, 0, NULL,
+     "libfabric provider: efa | tcp | shm | ... ; auto: the best available"},
+    {"ep-timeout-ms", T_U32, F(ep_timeout_ms), "30000", 100, 3600000, NULL,
+     "a rank silent this long fails the group (keep above the longest prefill)"},
+    {"ep-max-tokens", T_U32, F(ep_max_tokens), "2048", 1, 65536, NULL,
+     "tokens per rank and exchange; longer prefills go in several passes"},
+    {"ep-mode", T_ENUM, F(ep_mode), "auto", 0, 0, ep_mode_names,
+     "auto (low-latency for decode batches) | low-latency | throughput"},
+    {"ep-dtype", T_ENUM, F(ep_dtype), "f32", 0, 0, dtype_names,
+     "dispatch payload: f32 (bitwise the single-rank result) | bf16 (half the bytes)"},
+    {"ep-combine-dtype", T_ENUM, F(ep_combine_dtype), "f32", 0, 0, dtype_names,
+     "combine payload: f32 | bf16"},
 };
 #undef F
 

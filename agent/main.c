@@ -15,10 +15,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <sys/un.h>
 #include <systemd/sd-daemon.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "agent/agent.h"
@@ -300,21 +303,224 @@ static void worker_id(struct ro_agent *a)
 	struct ro_imds *m = NULL;
 
 	if (a->cfg.worker_id && *a->cfg.worker_id) {
-		(void)snprintf(a->worker, sizeof(a->worker), "%s", a->cfg.worker_id);
+		if (a->cfg.ep_size > 1) /* ranks of a group are workers of their own */
+			(void)snprintf(a->worker, sizeof(a->worker), "%s-r%u", a->cfg.worker_id,
+				       a->cfg.ep_rank);
+		else
+			(void)snprintf(a->worker, sizeof(a->worker), "%s", a->cfg.worker_id);
 		return;
 	}
 	ro_imds_opts_default(&io);
 	io.endpoint = a->cfg.imds_endpoint;
 	io.retries = 0;
 	if (a->cfg.imds && !ro_imds_new(&io, &m) && !ro_imds_identity(m, &id)) {
-		(void)snprintf(a->worker, sizeof(a->worker), "%s-r0", id.instance_id);
+		(void)snprintf(a->worker, sizeof(a->worker), "%s-r%u", id.instance_id,
+			       a->cfg.ep_rank);
 	} else {
 		char h[128] = "localhost";
 
 		(void)gethostname(h, sizeof(h) - 1);
-		(void)snprintf(a->worker, sizeof(a->worker), "%s", h);
+		if (a->cfg.ep_size > 1)
+			(void)snprintf(a->worker, sizeof(a->worker), "%s-r%u", h, a->cfg.ep_rank);
+		else
+			(void)snprintf(a->worker, sizeof(a->worker), "%s", h);
 	}
 	ro_imds_free(m);
+}
+
+/* ---- expert parallelism: local ranks, the rendezvous, the group round ------------------ */
+
+static char *with_suffix(const char *s, uint32_t rank)
+{
+	char *r = NULL;
+
+	if (!s || !*s)
+		return strdup("");
+	if (asprintf(&r, "%s.rank%u", s, rank) < 0)
+		return NULL;
+	return r;
+}
+
+/* --ep-local-ranks N: fork the N ranks of one group on this host and wait for them. Rank 0
+ * keeps the control socket, the metrics file and the IMDS watch; ranks 1.. take
+ * <path>.rank<i> and learn of drains in band, from the group. Signals are forwarded. This
+ * process is what systemd sees: it sends READY, WATCHDOG and STOPPING for the group.
+ * Returns -1 in a child (which goes on as its rank), else the exit status: 0 when every
+ * rank exited 0, else the first failure's. */
+static int run_local_ranks(struct ro_agent *a)
+{
+	const uint32_t n = a->cfg.ep_local_ranks;
+	pid_t pid[64];
+	uint32_t alive = 0;
+	int rc = 0, fwd_terms = 0, fwd_ints = 0;
+	int64_t next_wd = 0;
+	struct timespec ts;
+
+	clock_gettime(CLOCK_REALTIME, &ts);
+	if (!*a->cfg.ep_group) {
+		char h[64] = "host";
+
+		(void)gethostname(h, sizeof(h) - 1);
+		free(a->cfg.ep_group);
+		if (asprintf(&a->cfg.ep_group, "local-%s-%d-%lld", h, (int)getpid(),
+			     (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000) < 0)
+			return 1;
+	}
+	for (uint32_t i = 0; i < n; i++) {
+		pid[i] = fork();
+		if (pid[i] < 0) {
+			ro_log(LOG_ERR, "fork rank %u: %s", i, strerror(errno));
+			for (uint32_t k = 0; k < i; k++)
+				(void)kill(pid[k], SIGTERM);
+			rc = 1;
+			break;
+		}
+		if (pid[i] == 0) {
+			(void)prctl(PR_SET_PDEATHSIG, SIGTERM);
+			(void)unsetenv("NOTIFY_SOCKET"); /* the parent speaks to systemd */
+			a->cfg.ep_rank = i;
+			a->cfg.ep_size = n;
+			a->cfg.ep_local_ranks = 0;
+			if (i > 0) {
+				char *cs = with_suffix(a->cfg.control_socket, i),
+				     *mf = with_suffix(a->cfg.metrics_file, i);
+
+				free(a->cfg.control_socket);
+				free(a->cfg.metrics_file);
+				a->cfg.control_socket = cs;
+				a->cfg.metrics_file = mf;
+				a->cfg.imds = false;
+			}
+			return -1;
+		}
+		alive++;
+	}
+	ro_log(LOG_INFO, "running %u ranks of expert-parallel group %s", alive, a->cfg.ep_group);
+	(void)sd_notify(0, "READY=1\nSTATUS=expert-parallel ranks running");
+	while (alive) {
+		int st;
+		pid_t w = waitpid(-1, &st, WNOHANG);
+
+		if (w > 0) {
+			uint32_t i = 0;
+
+			while (i < n && pid[i] != w)
+				i++;
+			alive--;
+			if (i < n)
+				pid[i] = 0;
+			if ((!WIFEXITED(st) || WEXITSTATUS(st)) && !rc) {
+				rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+				ro_log(LOG_ERR, "rank %u exited with status %d", i, rc);
+			}
+			continue;
+		}
+		if (sigterms != fwd_terms || sigints != fwd_ints) {
+			int sig = sigints != fwd_ints ? SIGINT : SIGTERM;
+
+			(void)sd_notify(0, "STOPPING=1\nSTATUS=draining the group");
+			for (uint32_t i = 0; i < n; i++)
+				if (pid[i] > 0)
+					(void)kill(pid[i], sig);
+			fwd_terms = sigterms;
+			fwd_ints = sigints;
+		}
+		if (ro_now_ms() >= next_wd) {
+			(void)sd_notify(0, "WATCHDOG=1");
+			next_wd = ro_now_ms() + 10000;
+		}
+		(void)usleep(50000);
+	}
+	return rc;
+}
+
+/* Join the group: an endpoint sized for the model and the unit bounds, this rank's card
+ * under the group key, every rank's card, one first round as the handshake. */
+static int ep_setup(struct ro_agent *a)
+{
+	const struct ro_model_config *mc = ro_model_config(a->m);
+	struct ro_ep_opts o;
+	struct ro_ep_group g;
+	uint8_t card[RO_EP_CARD_MAX];
+	void *cards[64] = {0};
+	size_t len, lens[64];
+	char err[256];
+	int r;
+
+	ro_ep_opts_default(&o);
+	o.provider = a->cfg.fabric_provider;
+	o.rank = a->cfg.ep_rank;
+	o.world = a->cfg.ep_size;
+	o.hidden = mc->hidden;
+	o.top_k = mc->top_k;
+	o.experts = mc->experts;
+	o.max_tokens = a->cfg.ep_max_tokens;
+	o.ll_tokens = a->cfg.max_inflight < o.max_tokens ? a->cfg.max_inflight : o.max_tokens;
+	o.mode = (enum ro_ep_mode)a->cfg.ep_mode;
+	o.dispatch_dtype = (enum ro_ep_dtype)a->cfg.ep_dtype;
+	o.combine_dtype = (enum ro_ep_dtype)a->cfg.ep_combine_dtype;
+	o.timeout_ms = a->cfg.ep_timeout_ms;
+	r = ro_ep_new(&o, &a->ep, err, sizeof(err));
+	if (r)
+		return ro_log_errno(r, "expert parallelism: %s", err);
+	r = ro_ep_card(a->ep, card, &len);
+	if (r)
+		return ro_log_errno(r, "expert parallelism: %s", ro_ep_errmsg(a->ep));
+	/* wait for the whole group, a while at a time, so that a signal still stops us */
+	for (int64_t until = ro_now_ms() + 600000;;) {
+		r = ro_queue_ep_rendezvous(a->q, a->cfg.ep_group, o.rank, o.world, card, len, 2000,
+					   cards, lens);
+		if (!r || r != -ETIMEDOUT || sigterms || sigints || ro_now_ms() > until)
+			break;
+		ro_log_limited(&a->log_limit[6], 10000, LOG_NOTICE, "%s (waiting)",
+			       ro_queue_errmsg(a->q));
+		(void)sd_notify(0, "WATCHDOG=1");
+	}
+	if (r)
+		return ro_log_errno(r, "expert parallelism: %s", ro_queue_errmsg(a->q));
+	r = ro_ep_connect(a->ep, (const void *const *)cards, lens);
+	for (uint32_t i = 0; i < o.world; i++)
+		free(cards[i]);
+	if (r)
+		return ro_log_errno(r, "expert parallelism: %s", ro_ep_errmsg(a->ep));
+	ro_ep_attach(a->ep, a->m);
+	r = ro_ep_round_end(a->ep, NULL, &g);
+	if (r)
+		return ro_log_errno(r, "expert parallelism: first round: %s", ro_ep_errmsg(a->ep));
+	ro_log(LOG_INFO, "expert parallelism: rank %u of %u in group %s over %s (%s mode)", o.rank,
+	       o.world, a->cfg.ep_group, ro_ep_provider(a->ep),
+	       o.mode == RO_EP_AUTO ? "auto" : o.mode == RO_EP_LOW_LATENCY ? "low-latency"
+									 : "throughput");
+	return 0;
+}
+
+/* This rank's round of the group: join the forwards other ranks still make, tell them our
+ * drain, take theirs (the earliest deadline wins). */
+static void ep_round(struct ro_agent *a)
+{
+	struct ro_ep_note note = {.draining = a->state != RO_RUNNING,
+				  .done = a->state == RO_DRAINED && !a->units,
+				  .deadline_ms = a->deadline_wall_ms};
+	struct ro_ep_group g;
+	int r;
+
+	if (!a->ep || a->ep_failed)
+		return;
+	r = ro_ep_round_end(a->ep, &note, &g);
+	if (r) {
+		ro_log(LOG_ERR, "expert-parallel group failed: %s", ro_ep_errmsg(a->ep));
+		a->ep_failed = true;
+		return;
+	}
+	a->group_busy = g.busy;
+	a->group_done = g.all_done;
+	if (g.draining && a->state != RO_DRAINED &&
+	    (a->state == RO_RUNNING || g.deadline_ms < a->deadline_wall_ms)) {
+		char why[64];
+
+		(void)snprintf(why, sizeof(why), "group drain from rank %u", g.first_draining);
+		ro_drain_begin(a, g.deadline_ms, why);
+	}
 }
 
 int main(int argc, char **argv)
@@ -337,6 +543,22 @@ int main(int argc, char **argv)
 	(void)sigaction(SIGTERM, &sa, NULL);
 	(void)sigaction(SIGINT, &sa, NULL);
 	(void)signal(SIGPIPE, SIG_IGN);
+	if (a->cfg.ep_local_ranks > 1) {
+		rc = run_local_ranks(a);
+		if (rc >= 0) {
+			ro_config_clear(&a->cfg);
+			return rc;
+		}
+		rc = 0;
+	} else if (a->cfg.ep_local_ranks == 1) {
+		a->cfg.ep_size = 1;
+	}
+	if (a->cfg.ep_size > 1 && (!*a->cfg.ep_group || a->cfg.ep_rank >= a->cfg.ep_size)) {
+		ro_log(LOG_ERR, "ep-size %u needs ep-group (a group id) and ep-rank below it (is %u)",
+		       a->cfg.ep_size, a->cfg.ep_rank);
+		ro_config_clear(&a->cfg);
+		return 2;
+	}
 	worker_id(a);
 	mo.threads = a->cfg.threads;
 	r = ro_model_load(a->cfg.model, &mo, &a->m, err, sizeof(err));
@@ -363,6 +585,10 @@ int main(int argc, char **argv)
 	}
 	if (r) {
 		rc = 0;
+		goto out;
+	}
+	if (a->cfg.ep_size > 1 && ep_setup(a)) {
+		rc = 3;
 		goto out;
 	}
 	if (a->cfg.imds && watcher_start(a, &wt))
@@ -430,11 +656,20 @@ int main(int argc, char **argv)
 				a->state = RO_DRAINED;
 			}
 		}
-		if (a->state == RO_DRAINED)
+		/* a rank of a group leaves with the group: until every rank is done, it still
+		 * owes its part of their forwards */
+		if (a->state == RO_DRAINED && (!a->ep || a->ep_failed || a->group_done))
 			break;
 		(void)ro_worker_claim(a);
 		(void)ro_worker_step(a);
 		ro_worker_housekeeping(a);
+		ep_round(a);
+		if (a->ep_failed && !rc) {
+			/* a peer is gone or late: everything we hold goes back to the queue with
+			 * its checkpoints, and the supervisor restarts us */
+			rc = 3;
+			ro_drain_begin(a, ro_wall_ms(), "expert-parallel group failed");
+		}
 		now = ro_now_ms();
 		if (wd_usec && now >= next_wd) {
 			(void)sd_notify(0, "WATCHDOG=1");
@@ -448,6 +683,12 @@ int main(int argc, char **argv)
 		if (now >= next_metrics) {
 			write_metrics(a);
 			next_metrics = now + a->cfg.metrics_interval_ms;
+		}
+		if (a->ep && !a->ep_failed && a->group_busy)
+			continue; /* others are decoding: do not hold them up */
+		if (a->ep && !a->ep_failed && !a->n_active && !a->n_units) {
+			(void)usleep(a->state == RO_RUNNING ? 20000 : 5000);
+			continue;
 		}
 		if (!a->n_active && !a->n_units) {
 			bool woken = false;
@@ -471,6 +712,9 @@ int main(int argc, char **argv)
 	       (unsigned long long)a->n.completed, (unsigned long long)a->n.requeued,
 	       (unsigned long long)a->n.published);
 out:
+	if (a->ep && !a->ep_failed && !rc)
+		(void)ro_queue_ep_leave(a->q, a->cfg.ep_group, a->cfg.ep_rank);
+	a->ep = ro_ep_free(a->ep);
 	watcher_stop(&wt);
 	if (lfd >= 0) {
 		(void)close(lfd);

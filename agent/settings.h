@@ -26,6 +26,11 @@ struct ro_config {
 	uint32_t threads;
 	int64_t policy_version;
 	uint32_t log_level; /* syslog LOG_* */
+	/* expert parallelism */
+	char *ep_group, *fabric_provider;
+	uint32_t ep_size, ep_rank, ep_local_ranks, ep_timeout_ms, ep_max_tokens;
+	uint32_t ep_mode;		       /* enum ro_ep_mode */
+	uint32_t ep_dtype, ep_combine_dtype; /* enum ro_ep_dtype */
 };
 
 /* Parse argv/environment/file into c. Returns 0, 1 after --help or --print-config was

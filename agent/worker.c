@@ -61,6 +61,25 @@ void ro_worker_free_all(struct ro_agent *a)
 		unit_drop(a, a->units);
 }
 
+int ro_agent_forward(struct ro_agent *a, struct ro_fwd_item *items, size_t count)
+{
+	struct ro_ep_note note = {.draining = a->state != RO_RUNNING,
+				  .deadline_ms = a->deadline_wall_ms};
+	int r;
+
+	if (!a->ep)
+		return ro_model_forward(a->m, items, count);
+	if (a->ep_failed)
+		return -EPIPE;
+	r = ro_ep_forward(a->ep, items, count, &note);
+	if (r && ro_ep_broken(a->ep)) {
+		if (!a->ep_failed)
+			ro_log(LOG_ERR, "expert-parallel group failed: %s", ro_ep_errmsg(a->ep));
+		a->ep_failed = true;
+	}
+	return r;
+}
+
 static bool transient(int r)
 {
 	return r == -EIO || r == -ETIMEDOUT || r == -ECONNREFUSED || r == -ECONNRESET ||
@@ -152,7 +171,7 @@ static int unit_start(struct ro_agent *a, struct unit_rt *u)
 	if (!r) {
 		struct ro_fwd_item it = {base, u->u.prompt, u->u.prompt_len, base_logits, false};
 
-		r = ro_model_forward(a->m, &it, 1);
+		r = ro_agent_forward(a, &it, 1);
 	}
 	for (uint32_t idx = 0; !r && idx < u->u.n; idx++) {
 		const struct ro_progress *p = progress_of(&u->c, idx);
@@ -186,7 +205,7 @@ static int unit_start(struct ro_agent *a, struct unit_rt *u)
 			memcpy(s->tok, p->tokens, p->len * sizeof(*s->tok));
 			memcpy(s->lp, p->logprobs, p->len * sizeof(*s->lp));
 			s->len = s->resumed_from = s->ckpt_len = p->len;
-			r = ro_model_forward(a->m, &it, 1);
+			r = ro_agent_forward(a, &it, 1);
 		} else {
 			memcpy(s->logits, base_logits, V * sizeof(float));
 		}
@@ -387,7 +406,7 @@ int ro_worker_step(struct ro_agent *a)
 	}
 	t0 = ro_now_ms();
 	if (k)
-		r = ro_model_forward(a->m, items, k);
+		r = ro_agent_forward(a, items, k);
 	if (k && !r) {
 		double ms = (double)(ro_now_ms() - t0);
 

@@ -136,6 +136,8 @@ struct ro_ep *ro_ep_free(struct ro_ep *ep);
 const char *ro_ep_provider(const struct ro_ep *ep);
 const char *ro_ep_errmsg(const struct ro_ep *ep);
 uint32_t ro_ep_rank(const struct ro_ep *ep);
+/* An exchange failed (a peer late, gone or out of step): the group cannot go on. */
+bool ro_ep_broken(const struct ro_ep *ep);
 uint32_t ro_ep_world(const struct ro_ep *ep);
 
 /* Rendezvous: this rank's card (fabric address, region address and key; at most
@@ -186,6 +188,7 @@ struct ro_ep_note {
 };
 struct ro_ep_group {
 	bool draining, all_done;
+	bool busy; /* some other rank ran a forward in this round */
 	int64_t deadline_ms; /* the earliest of the draining ranks */
 	uint32_t first_draining;
 };

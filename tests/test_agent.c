@@ -763,3 +763,159 @@ Test(agent, bad_units_dead_lettered_with_reasons_policy_respected)
 	ro_queue_free(qq);
 	redisFree(c);
 }
+
+/* ---- expert-parallel groups (--ep-local-ranks) ------------------------------------------ */
+
+static const char *const fi_env[] = {"FI_TCP_IFACE", "lo", "FI_SOCKETS_IFACE", "lo", NULL};
+
+/* The pids of pid's children (the group's ranks, in fork order as Linux lists them). */
+static int children(pid_t pid, pid_t *out, int max)
+{
+	char path[64], buf[256];
+	FILE *f;
+	int n = 0;
+
+	(void)snprintf(path, sizeof(path), "/proc/%d/task/%d/children", (int)pid, (int)pid);
+	f = fopen(path, "r");
+	if (!f)
+		return 0;
+	if (fgets(buf, sizeof(buf), f))
+		for (char *p = strtok(buf, " \n"); p && n < max; p = strtok(NULL, " \n"))
+			out[n++] = (pid_t)atoi(p);
+	(void)fclose(f);
+	return n;
+}
+
+static bool log_has(const struct agent *ag, const char *what)
+{
+	char cmd[512];
+
+	(void)snprintf(cmd, sizeof(cmd), "grep -q '%s' %s", what, ag->log);
+	return system(cmd) == 0;
+}
+
+/* EP = 2 (tcp on lo) and EP = 4 (shm) groups generate the units; every sample bitwise the
+ * single-rank run's, and every rank did some of the work. */
+Test(agent, ep_groups_equal_single_rank, .timeout = 240)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char ref[64];
+	const int units = 12;
+	const unsigned n = 2, max_new = scaled(40);
+
+	ro_test_name("epref", ref, sizeof(ref));
+	reference_run(c, ref, units, n, max_new, 0, 0);
+	for (int w = 2; w <= 4; w += 2) {
+		char q[64], ranks[8];
+		struct agent g;
+		struct smp *s;
+		size_t ns;
+		bool rank_seen[4] = {0};
+
+		ro_test_name(w == 2 ? "ep2" : "ep4", q, sizeof(q));
+		(void)snprintf(ranks, sizeof(ranks), "%d", w);
+		enqueue(q, "u", units, n, max_new, 0, 0);
+		start(&g, w == 2 ? "ep2" : "ep4", q,
+		      (const char *const[]){"--imds", "false", "--ep-local-ranks", ranks,
+					    "--fabric-provider", w == 2 ? "tcp" : "shm",
+					    "--max-inflight", "4", "--claim-batch", "1", NULL},
+		      fi_env);
+		if (!wait_done(c, q, units, 120000)) {
+			dump_log(&g);
+			cr_assert_fail("EP=%d: not all units completed", w);
+		}
+		kill(g.pid, SIGTERM);
+		cr_expect_eq(wait_exit(&g, 20000), 0, "EP=%d: the group drains and exits 0", w);
+		ro_test_verify_exactly_once(c, q, units, n);
+		(void)same_samples(c, q, ref, (size_t)units * n);
+		ns = read_samples(c, q, &s);
+		for (size_t i = 0; i < ns; i++) {
+			const char *r = strstr(s[i].worker, "-r");
+
+			if (r && atoi(r + 2) < w)
+				rank_seen[atoi(r + 2)] = true;
+		}
+		for (int r = 0; r < w; r++)
+			cr_expect(rank_seen[r], "EP=%d: rank %d published nothing", w, r);
+		free(s);
+	}
+	redisFree(c);
+}
+
+/* `rolloutctl drain` on rank 1 drains the whole group to its deadline; nothing is lost. */
+Test(agent, ep_group_drains_together, .timeout = 240)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64], cmd[512];
+	struct agent g, b;
+	int rc;
+
+	ro_test_name("epdrain", q, sizeof(q));
+	enqueue(q, "u", 9, 2, scaled(1500), 0, 0);
+	start(&g, "epd", q,
+	      (const char *const[]){"--imds", "false", "--ep-local-ranks", "3",
+				    "--fabric-provider", "shm", "--max-inflight", "4",
+				    "--claim-batch", "1", "--drain-margin-ms", "0", NULL},
+	      fi_env);
+	for (int i = 0; i < 200 && ro_test_int(c, "XLEN ro:{%s}:samples", q) < 1 &&
+			!log_has(&g, "claimed u-"); i++)
+		msleep(50);
+	msleep(500);
+	(void)snprintf(cmd, sizeof(cmd), "%s drain --deadline 2 --socket %s.rank1 >/dev/null",
+		       bin("RO_ROLLOUTCTL", "rolloutctl"), g.sock);
+	cr_assert_eq(system(cmd), 0, "rolloutctl drain to rank 1");
+	rc = wait_exit(&g, 30000);
+	if (rc)
+		dump_log(&g);
+	cr_expect_eq(rc, 0, "every rank drains and the group exits 0");
+	cr_expect(log_has(&g, "group drain from rank 1"), "ranks 0 and 2 drained with rank 1");
+	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	cr_assert(wait_done(c, q, 9, 120000), "the requeued units complete elsewhere");
+	kill(b.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&b, 10000), 0);
+	ro_test_verify_exactly_once(c, q, 9, 2);
+	redisFree(c);
+}
+
+/* A rank killed with SIGKILL: the others name it within the timeout, requeue what they
+ * hold and exit non-zero; everything completes elsewhere, once. */
+Test(agent, ep_rank_killed_fails_fast, .timeout = 240)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64];
+	struct agent g, b;
+	pid_t kids[8];
+	int nk = 0, rc;
+	int64_t t0;
+
+	ro_test_name("epkill", q, sizeof(q));
+	enqueue(q, "u", 9, 2, scaled(1500), 0, 0);
+	start(&g, "epk", q,
+	      (const char *const[]){"--imds", "false", "--ep-local-ranks", "3",
+				    "--fabric-provider", "tcp", "--max-inflight", "4",
+				    "--claim-batch", "1", "--ep-timeout-ms", "2000", "--lease-ms",
+				    "3000", "--checkpoint-tokens", "8", NULL},
+	      fi_env);
+	for (int i = 0; i < 200 && !log_has(&g, "claimed u-"); i++)
+		msleep(50);
+	msleep(500);
+	for (int i = 0; i < 50 && (nk = children(g.pid, kids, 8)) < 3; i++)
+		msleep(50);
+	cr_assert_eq(nk, 3, "three ranks running");
+	t0 = now_ms();
+	kill(kids[2], SIGKILL);
+	rc = wait_exit(&g, 20000);
+	cr_expect(rc != 0 && rc != -1, "the group exits non-zero for its supervisor (got %d)", rc);
+	cr_expect_lt(now_ms() - t0, 15000, "the others noticed within the timeout");
+	cr_expect(log_has(&g, "expert-parallel group failed: .*rank"),
+		  "the error names the late rank");
+	if (!log_has(&g, "expert-parallel group failed"))
+		dump_log(&g);
+	start(&b, "b", q, (const char *const[]){"--imds", "false", "--lease-ms", "3000", NULL},
+	      NULL);
+	cr_assert(wait_done(c, q, 9, 120000), "everything completes elsewhere");
+	kill(b.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&b, 10000), 0);
+	ro_test_verify_exactly_once(c, q, 9, 2);
+	redisFree(c);
+}

@@ -235,6 +235,11 @@ uint32_t ro_ep_rank(const struct ro_ep *ep)
 	return ep->me;
 }
 
+bool ro_ep_broken(const struct ro_ep *ep)
+{
+	return ep->broken;
+}
+
 uint32_t ro_ep_world(const struct ro_ep *ep)
 {
 	return ep->W;
@@ -787,6 +792,7 @@ int ro_ep_round_end(struct ro_ep *ep, const struct ro_ep_note *mine, struct ro_e
 			      .done = mine && mine->done,
 			      .deadline_ms = mine ? mine->deadline_ms : 0};
 	struct ctl_rec all[MAX_WORLD];
+	bool busy = false;
 
 	for (unsigned rounds = 0;; rounds++) {
 		bool fwd = false;
@@ -800,10 +806,12 @@ int ro_ep_round_end(struct ro_ep *ep, const struct ro_ep_note *mine, struct ro_e
 		if (!fwd)
 			break;
 		/* someone runs a forward: join it with no tokens */
+		busy = true;
 		r = ro_model_forward(ep->m, NULL, 0);
 		if (r)
 			return r;
 	}
+	ep->grp.busy = busy;
 	if (ret)
 		*ret = ep->grp;
 	return 0;
