@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -111,6 +112,7 @@ static void run_group(struct group *g, void (*fn)(const struct group *, uint32_t
 		pid[r] = fork();
 		cr_assert_geq(pid[r], 0);
 		if (!pid[r]) {
+			(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
 			fn(g, r);
 			_exit(0);
 		}
@@ -369,8 +371,10 @@ static void dead_rank(const char *provider)
 	(void)snprintf(g.name, sizeof(g.name), "dead%d-%d", (int)getpid(), seq++);
 	for (uint32_t r = 0; r < 3; r++) {
 		pid[r] = fork();
-		if (!pid[r])
+		if (!pid[r]) {
+			(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
 			dies_after_connect(&g, r);
+		}
 	}
 	for (uint32_t r = 0; r < 3; r++) {
 		int st;

@@ -400,16 +400,39 @@ static int send_all(struct ro_ep *ep, enum kind k, uint32_t layer, size_t soff, 
 
 /* ---- dispatch and combine ------------------------------------------------------------- */
 
-static void put_row(const struct ro_ep *ep, uint8_t *row, const float *x)
+/* bf16 conversions, branch-free so the compiler vectorizes them (AVX2 where the CPU has
+ * it): round to nearest even, NaN stays NaN, as ro_f32_to_bf16. */
+__attribute__((target_clones("avx2", "default"), optimize("O3")))
+static void to_bf16(uint16_t *restrict dst, const float *restrict src, size_t n)
 {
-	if (ep->desz == 4) {
-		memcpy(row + ep->dmeta, x, ep->H * sizeof(float));
-	} else {
-		uint16_t *p = (uint16_t *)(row + ep->dmeta);
+	for (size_t i = 0; i < n; i++) {
+		uint32_t u;
 
-		for (uint32_t d = 0; d < ep->H; d++)
-			p[d] = ro_f32_to_bf16(x[d]);
+		memcpy(&u, &src[i], 4);
+		dst[i] = (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? (u >> 16) | 0x40
+								    : (u + 0x7fff + ((u >> 16) & 1)) >> 16);
 	}
+}
+
+__attribute__((target_clones("avx2", "default"), optimize("O3")))
+static void from_bf16(float *restrict dst, const uint16_t *restrict src, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		uint32_t u = (uint32_t)src[i] << 16;
+
+		memcpy(&dst[i], &u, 4);
+	}
+}
+
+/* A token's payload: converted once, then copied to every other destination's row. */
+static void put_row(const struct ro_ep *ep, uint8_t *row, const float *x, const uint8_t *first)
+{
+	if (first)
+		memcpy(row + ep->dmeta, first + ep->dmeta, ep->drow - ep->dmeta);
+	else if (ep->desz == 4)
+		memcpy(row + ep->dmeta, x, ep->H * sizeof(float));
+	else
+		to_bf16((uint16_t *)(row + ep->dmeta), x, ep->H);
 }
 
 int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32_t *ids,
@@ -455,7 +478,7 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 	}
 	/* pack: each token once per destination, with the ids of that rank's experts */
 	for (uint32_t t = 0; t < tokens; t++) {
-		uint8_t *row[MAX_WORLD];
+		uint8_t *row[MAX_WORLD], *first = NULL;
 		uint32_t nk[MAX_WORLD];
 		uint64_t started = 0;
 
@@ -468,7 +491,8 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 				row[d] = send + (size_t)(ep->to_off[d] + cur[d]++) * ep->drow;
 				memset(row[d], 0xff, ep->dmeta);
 				nk[d] = 0;
-				put_row(ep, row[d], x + (size_t)t * ep->H);
+				put_row(ep, row[d], x + (size_t)t * ep->H, first);
+				first = row[d];
 			}
 			((int16_t *)row[d])[nk[d]++] = (int16_t)e;
 			ep->hp[ep->hp_off[d] + pc[d]++] = t * K + j;
@@ -548,8 +572,7 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 							return broken(ep, -ENOMEM);
 					}
 					dst = ep->xdec + rows * ep->H;
-					for (uint32_t d = 0; d < ep->H; d++)
-						dst[d] = ro_bf16_to_f32(((const uint16_t *)xr)[d]);
+					from_bf16(dst, (const uint16_t *)xr, ep->H);
 					xr = dst;
 				}
 				ep->xptr[rows] = xr;
@@ -608,8 +631,7 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 	if (ep->cesz == 2) {
 		if (!ep->ybuf)
 			return broken(ep, -ENOMEM);
-		for (size_t i = 0; i < ep->b.pairs * H; i++)
-			((uint16_t *)send)[i] = ro_f32_to_bf16(ep->ybuf[i]);
+		to_bf16((uint16_t *)send, ep->ybuf, ep->b.pairs * H);
 	}
 	/* the outputs for source s are contiguous (rows came in by source) */
 	for (uint32_t i = 1; i <= W; i++) {
@@ -650,8 +672,7 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 			if (ep->cesz == 4)
 				memcpy(dst, src, H * sizeof(float));
 			else
-				for (uint32_t k = 0; k < H; k++)
-					dst[k] = ro_bf16_to_f32(((const uint16_t *)src)[k]);
+				from_bf16(dst, (const uint16_t *)src, H);
 		}
 	}
 	consumed(ep, K_COMB);

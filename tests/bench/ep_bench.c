@@ -1,0 +1,360 @@
+/* ep_bench: expert-parallel dispatch and combine between W real processes (W = 2, 4) over
+ * libfabric shm and tcp-on-lo, at DeepEP's standard shapes scaled to this machine:
+ *   low-latency  hidden 7168, top-8, 256 experts, 128 tokens per rank (decode)
+ *   throughput   hidden 2048, top-8,  64 experts, 4096 tokens per rank (prefill)
+ * bf16 payloads both ways, as DeepEP's benchmarks. In the same run, the baselines:
+ *   MPI_Alltoallv  the same exchange (same rows, same bytes) through Debian's OpenMPI
+ *   dense          every token to every rank over the same libfabric endpoints
+ *   8 KB round     one 8 KB message from every rank to every rank (the latency floor)
+ *   memcpy         one core's copy bandwidth (the ceiling of a shared-memory transfer)
+ * Times are the slowest rank's median; GB/s counts logical bytes as DeepEP does: rows this
+ * rank sends x hidden x 2 bytes (dispatch), (token, expert) outputs it returns (combine).
+ *   ep_bench [--quick]      (--quick: fewer iterations, W = 2 only) */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kernels/model.h"
+#include "tests/bench/ep_routing.h"
+
+struct cfg {
+	const char *mode_name;
+	enum ro_ep_mode mode;
+	uint32_t H, K, E, T, iters;
+};
+
+struct res {
+	double d_us, c_us, d_bytes, c_bytes;
+};
+
+static char rdv[64];
+static char mpi_bin[512];
+
+static double now_us(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return (x > y) - (x < y);
+}
+
+static void die(const char *what, const char *msg)
+{
+	fprintf(stderr, "ep_bench: %s: %s\n", what, msg);
+	_exit(1);
+}
+
+/* Rendezvous through files: each rank writes its card, then reads everyone's. */
+static struct ro_ep *join(const char *provider, const char *tag, uint32_t rank, uint32_t W,
+			  uint32_t H, uint32_t K, uint32_t E, uint32_t T, enum ro_ep_dtype dt,
+			  enum ro_ep_mode mode)
+{
+	struct ro_ep_opts o;
+	struct ro_ep *ep;
+	uint8_t card[RO_EP_CARD_MAX], all[64][RO_EP_CARD_MAX];
+	const void *cards[64];
+	size_t len, lens[64];
+	char err[256], path[160], tmp[170];
+	FILE *f;
+
+	ro_ep_opts_default(&o);
+	o.provider = provider;
+	o.rank = rank;
+	o.world = W;
+	o.hidden = H;
+	o.top_k = K;
+	o.experts = E;
+	o.max_tokens = T;
+	o.ll_tokens = T;
+	o.mode = mode;
+	o.dispatch_dtype = o.combine_dtype = dt;
+	o.timeout_ms = 60000;
+	if (ro_ep_new(&o, &ep, err, sizeof(err)))
+		die("ro_ep_new", err);
+	if (ro_ep_card(ep, card, &len))
+		die("card", ro_ep_errmsg(ep));
+	(void)snprintf(path, sizeof(path), "%s/%s.%u", rdv, tag, rank);
+	(void)snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+	f = fopen(tmp, "wb");
+	if (!f || fwrite(card, 1, len, f) != len || fclose(f) || rename(tmp, path))
+		die("card file", strerror(errno));
+	for (uint32_t r = 0; r < W; r++) {
+		(void)snprintf(path, sizeof(path), "%s/%s.%u", rdv, tag, r);
+		for (int i = 0; !(f = fopen(path, "rb")); i++) {
+			if (i > 60000)
+				die("rendezvous", path);
+			usleep(1000);
+		}
+		lens[r] = fread(all[r], 1, sizeof(all[r]), f);
+		(void)fclose(f);
+		cards[r] = all[r];
+	}
+	if (ro_ep_connect(ep, cards, lens))
+		die("connect", ro_ep_errmsg(ep));
+	ro_ep_set_mode(ep, mode);
+	return ep;
+}
+
+/* iters timed exchanges (after 3 warm-up ones), each started together (a group round). */
+static struct res measure(struct ro_ep *ep, const float *x, const int32_t *ids, uint32_t T,
+			  uint32_t H, uint32_t iters)
+{
+	double *td = malloc(iters * sizeof(double)), *tc = malloc(iters * sizeof(double));
+	float *out = malloc((size_t)T * 8 * H * sizeof(float) + (size_t)T * 64 * H * 4);
+	struct ro_ep_stats s0, s1;
+	struct res r;
+
+	ro_ep_stats(ep, &s0);
+	for (uint32_t it = 0; it < iters + 3; it++) {
+		const struct ro_ep_batch *b;
+		double t0, t1, t2;
+
+		if (ro_ep_round_end(ep, NULL, NULL))
+			die("round", ro_ep_errmsg(ep));
+		if (it == 3)
+			ro_ep_stats(ep, &s0);
+		t0 = now_us();
+		if (ro_ep_dispatch(ep, it % 32, x, ids, T, &b))
+			die("dispatch", ro_ep_errmsg(ep));
+		t1 = now_us();
+		(void)ro_ep_combine_buffer(ep); /* the experts would write here */
+		if (ro_ep_combine(ep, out))
+			die("combine", ro_ep_errmsg(ep));
+		t2 = now_us();
+		if (it >= 3) {
+			td[it - 3] = t1 - t0;
+			tc[it - 3] = t2 - t1;
+		}
+	}
+	ro_ep_stats(ep, &s1);
+	qsort(td, iters, sizeof(double), cmp_d);
+	qsort(tc, iters, sizeof(double), cmp_d);
+	r.d_us = td[iters / 2];
+	r.c_us = tc[iters / 2];
+	r.d_bytes = (double)(s1.dispatch_bytes - s0.dispatch_bytes) / iters;
+	r.c_bytes = (double)(s1.combine_bytes - s0.combine_bytes) / iters;
+	free(td);
+	free(tc);
+	free(out);
+	return r;
+}
+
+/* One rank: the routed exchange, the dense one, and (low-latency) the 8 KB round. */
+static void rank_main(const char *prov, const struct cfg *c, uint32_t rank, uint32_t W, int fd)
+{
+	const uint32_t T = c->T, H = c->H;
+	float *x = malloc((size_t)T * H * sizeof(float));
+	int32_t *ids = malloc((size_t)T * (c->K > W ? c->K : W) * sizeof(int32_t));
+	struct res out[3] = {0};
+	struct ro_ep *ep;
+	char tag[64];
+
+	for (size_t i = 0; i < (size_t)T * H; i++)
+		x[i] = (float)(epb_mix(i + rank) % 1000) / 100.0f;
+	epb_routing(rank, T, c->K, c->E, ids);
+	(void)snprintf(tag, sizeof(tag), "%s-%s-%u-routed", prov, c->mode_name, W);
+	ep = join(prov, tag, rank, W, H, c->K, c->E, T, RO_EP_BF16, c->mode);
+	out[0] = measure(ep, x, ids, T, H, c->iters);
+	(void)ro_ep_free(ep);
+	/* dense: every token to every rank */
+	for (uint32_t t = 0; t < T; t++)
+		for (uint32_t j = 0; j < W; j++)
+			ids[(size_t)t * W + j] = (int32_t)j;
+	(void)snprintf(tag, sizeof(tag), "%s-%s-%u-dense", prov, c->mode_name, W);
+	ep = join(prov, tag, rank, W, H, W, W, T, RO_EP_BF16, c->mode);
+	out[1] = measure(ep, x, ids, T, H, c->iters);
+	(void)ro_ep_free(ep);
+	if (c->mode == RO_EP_LOW_LATENCY) {
+		/* one 8 KB message to every rank: 2048 f32 */
+		(void)snprintf(tag, sizeof(tag), "%s-%u-8k", prov, W);
+		ep = join(prov, tag, rank, W, 2048, W, W, 1, RO_EP_F32, RO_EP_LOW_LATENCY);
+		out[2] = measure(ep, x, ids, 1, 2048, c->iters * 2);
+		(void)ro_ep_free(ep);
+	}
+	if (write(fd, out, sizeof(out)) != (ssize_t)sizeof(out))
+		_exit(1);
+	free(x);
+	free(ids);
+	_exit(0);
+}
+
+static int run(const char *prov, const struct cfg *c, uint32_t W, struct res agg[3])
+{
+	int fds[2];
+	pid_t pid[8];
+	int rc = 0;
+
+	if (pipe(fds))
+		return -errno;
+	memset(agg, 0, 3 * sizeof(*agg));
+	for (uint32_t r = 0; r < W; r++) {
+		pid[r] = fork();
+		if (!pid[r]) {
+			(void)close(fds[0]);
+			rank_main(prov, c, r, W, fds[1]);
+		}
+	}
+	(void)close(fds[1]);
+	for (uint32_t r = 0; r < W; r++) {
+		struct res one[3];
+
+		if (read(fds[0], one, sizeof(one)) != (ssize_t)sizeof(one)) {
+			rc = -EIO;
+			break;
+		}
+		for (int k = 0; k < 3; k++) {
+			if (one[k].d_us > agg[k].d_us)
+				agg[k].d_us = one[k].d_us;
+			if (one[k].c_us > agg[k].c_us)
+				agg[k].c_us = one[k].c_us;
+			agg[k].d_bytes += one[k].d_bytes / W;
+			agg[k].c_bytes += one[k].c_bytes / W;
+		}
+	}
+	(void)close(fds[0]);
+	for (uint32_t r = 0; r < W; r++) {
+		int st;
+
+		(void)waitpid(pid[r], &st, 0);
+		if (!WIFEXITED(st) || WEXITSTATUS(st))
+			rc = -EIO;
+	}
+	return rc;
+}
+
+/* The MPI baseline, under mpirun, bound to this host (shared memory and loopback). */
+static bool run_mpi(const struct cfg *c, uint32_t W, double *d_us, double *c_us)
+{
+	char cmd[1024], line[256];
+	const char *self = getenv("RO_EP_MPI") ? getenv("RO_EP_MPI") : mpi_bin;
+	FILE *p;
+	bool ok = false;
+
+	if (!self || !*self || access(self, X_OK))
+		return false;
+	(void)snprintf(cmd, sizeof(cmd),
+		       "mpirun --allow-run-as-root --oversubscribe -np %u --bind-to none "
+		       "--mca btl self,vader --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo "
+		       "%s %u %u %u %u %u 2>/dev/null",
+		       W, self, c->H, c->K, c->E, c->T, c->iters);
+	p = popen(cmd, "r");
+	if (!p)
+		return false;
+	while (fgets(line, sizeof(line), p))
+		if (sscanf(line, "mpi dispatch_us %lf combine_us %lf", d_us, c_us) == 2)
+			ok = true;
+	return pclose(p) == 0 && ok;
+}
+
+static double memcpy_gbs(void)
+{
+	const size_t n = 256u << 20;
+	char *a = malloc(n), *b = malloc(n);
+	double best = 0;
+
+	memset(a, 1, n);
+	memset(b, 2, n);
+	for (int i = 0; i < 5; i++) {
+		double t0 = now_us(), s;
+
+		memcpy(b, a, n);
+		s = (now_us() - t0) / 1e6;
+		if (n / s / 1e9 > best)
+			best = n / s / 1e9;
+	}
+	free(a);
+	free(b);
+	return best;
+}
+
+int main(int argc, char **argv)
+{
+	bool quick = argc > 1 && !strcmp(argv[1], "--quick");
+	struct cfg cfgs[] = {
+	    {"low-latency", RO_EP_LOW_LATENCY, 7168, 8, 256, 128, quick ? 10 : 50},
+	    {"throughput", RO_EP_THROUGHPUT, 2048, 8, 64, 4096, quick ? 3 : 8},
+	};
+	const char *provs[] = {"shm", "tcp"};
+	double mem = memcpy_gbs();
+
+	{
+		const char *slash = strrchr(argv[0], '/');
+
+		/* the MPI baseline is built beside us (make bench, with OpenMPI installed) */
+		(void)snprintf(mpi_bin, sizeof(mpi_bin), "%.*sep_mpi",
+			       slash ? (int)(slash - argv[0] + 1) : 0, argv[0]);
+	}
+	setenv("FI_TCP_IFACE", "lo", 1);
+	setenv("FI_SOCKETS_IFACE", "lo", 1);
+	(void)snprintf(rdv, sizeof(rdv), "/tmp/ep-bench-XXXXXX");
+	if (!mkdtemp(rdv))
+		return 1;
+	printf("ep_bench: memcpy ceiling %.1f GB/s (one core), %ld CPUs, MPI baseline %s\n", mem,
+	       sysconf(_SC_NPROCESSORS_ONLN),
+	       access(mpi_bin, X_OK) ? "not built (scripts/deps --bench; make bench)" : mpi_bin);
+	printf("%-11s %-4s %-2s | %9s %7s %9s %7s | %9s %9s | %8s %8s | %s\n", "mode", "prov",
+	       "W", "disp us", "GB/s", "comb us", "GB/s", "mpi d+c", "dense d+c", "x mpi",
+	       "x dense", "goal");
+	for (size_t ci = 0; ci < 2; ci++) {
+		for (uint32_t W = 2; W <= (quick ? 2u : 4u); W += 2) {
+			double md = 0, mc = 0;
+			bool have_mpi = run_mpi(&cfgs[ci], W, &md, &mc);
+
+			for (size_t pi = 0; pi < 2; pi++) {
+				struct res a[3];
+				double ours, goal;
+
+				if (run(provs[pi], &cfgs[ci], W, a)) {
+					printf("%-11s %-4s %-2u | failed\n", cfgs[ci].mode_name,
+					       provs[pi], W);
+					continue;
+				}
+				ours = a[0].d_us + a[0].c_us;
+				printf("%-11s %-4s %-2u | %9.0f %7.2f %9.0f %7.2f | ", cfgs[ci].mode_name,
+				       provs[pi], W, a[0].d_us, a[0].d_bytes / a[0].d_us / 1e3,
+				       a[0].c_us, a[0].c_bytes / a[0].c_us / 1e3);
+				if (have_mpi)
+					printf("%9.0f ", md + mc);
+				else
+					printf("%9s ", "n/a");
+				printf("%9.0f | ", a[1].d_us + a[1].c_us);
+				if (have_mpi)
+					printf("%8.2f ", (md + mc) / ours);
+				else
+					printf("%8s ", "n/a");
+				printf("%8.2f | ", (a[1].d_us + a[1].c_us) / ours);
+				if (cfgs[ci].mode == RO_EP_THROUGHPUT) {
+					goal = a[0].d_bytes / a[0].d_us / 1e3 / mem;
+					printf("dispatch %.0f%% of memcpy (goal >= 50%% on shm)%s\n",
+					       goal * 100,
+					       have_mpi ? ", x mpi goal >= 1.5" : "");
+				} else {
+					printf("d+c = %.1f x the 8 KB round (%.0f us; goal < 2)\n",
+					       ours / a[2].d_us, a[2].d_us);
+				}
+				fflush(stdout);
+			}
+		}
+	}
+	{
+		char cmd[128];
+
+		(void)snprintf(cmd, sizeof(cmd), "rm -rf %s", rdv);
+		(void)system(cmd);
+	}
+	printf("x mpi, x dense: the baseline's time over ours (above 1: we are faster)\n");
+	return 0;
+}
