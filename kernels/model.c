@@ -976,8 +976,8 @@ static int forward_idle(struct ro_model *m)
 
 	for (uint32_t l = 0; l < m->c.layers && !r; l++)
 		if (!m->L[l].dense)
-			r = m->xch.exchange(m->xch.ctx, l, NULL, NULL, 0, m->c.top_k, m->c.hidden,
-					    NULL);
+			r = m->xch.exchange(m->xch.ctx, l, NULL, NULL, NULL, 0, m->c.top_k,
+					    m->c.hidden, NULL);
 	return r;
 }
 
@@ -1139,11 +1139,17 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				route(c, router + (size_t)t * c->experts, ids + (size_t)t * K,
 				      rw + (size_t)t * K);
 			if (m->have_xch)
-				r = m->xch.exchange(m->xch.ctx, l, f.h, ids, T, K, H, moe_out);
+				r = m->xch.exchange(m->xch.ctx, l, f.h, ids, rw, T, K, H, moe_out);
 			else
 				r = local_experts(m, l, f.h, ids, T, moe_out);
 			if (r)
 				goto out;
+			if (m->have_xch && m->xch.summed) {
+				/* the transport summed the weighted outputs: only the residual */
+				for (size_t i = 0; i < (size_t)T * H; i++)
+					f.x[i] = f.x[i] + moe_out[i];
+				continue;
+			}
 			/* combine: the weighted outputs summed in expert order, then the residual */
 			for (t = 0; t < T; t++) {
 				float *xr = f.x + (size_t)t * H;

@@ -86,10 +86,13 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 struct ro_moe_exchange {
 	void *ctx;
 	uint32_t rank, world; /* experts e with e % world == rank are local */
-	/* x: [tokens][hidden]; ids: [tokens][top_k] expert ids. Fills out[tokens][top_k][hidden]
-	 * with each selected expert's output for that token (unweighted). */
+	/* x: [tokens][hidden]; ids, w: [tokens][top_k] expert ids and routing weights. Fills
+	 * out[tokens][top_k][hidden] with each selected expert's output for that token
+	 * (unweighted), or with summed set, out[tokens][hidden] with the weighted sum. */
 	int (*exchange)(void *ctx, uint32_t layer, const float *x, const int32_t *ids,
-			uint32_t tokens, uint32_t top_k, uint32_t hidden, float *out);
+			const float *w, uint32_t tokens, uint32_t top_k, uint32_t hidden,
+			float *out);
+	bool summed;
 };
 void ro_model_set_exchange(struct ro_model *m, const struct ro_moe_exchange *x);
 /* Run expert e of layer on rows x[n][hidden] into y[n][hidden]. */
@@ -126,6 +129,11 @@ struct ro_ep_opts {
 	enum ro_ep_mode mode;
 	enum ro_ep_dtype dispatch_dtype, combine_dtype; /* BF16: half the bytes, not bitwise */
 	uint32_t timeout_ms;				/* any wait past it fails, naming the peer */
+	/* Combine per-(token, rank) weighted sums, as DeepEP does: up to top_k / (ranks a
+	 * token reaches) times fewer bytes back, summed at home in rank order (deterministic,
+	 * but not bitwise the single-rank forward: it groups the additions differently).
+	 * Off: every (token, expert) output comes back and home sums them in expert order. */
+	bool combine_sum;
 };
 void ro_ep_opts_default(struct ro_ep_opts *o);
 
@@ -159,11 +167,14 @@ struct ro_ep_batch {
 	size_t pairs;
 	const uint32_t *pair_row; /* [pairs] */
 	const int32_t *pair_expert;
+	const float *pair_w;	    /* [pairs] routing weight (combine_sum only) */
 	const float *const *pair_x; /* [pairs] -> that pair's row */
 };
 void ro_ep_set_mode(struct ro_ep *ep, enum ro_ep_mode mode); /* LOW_LATENCY or THROUGHPUT */
+/* w: [tokens][top_k] routing weights, needed with combine_sum (else may be NULL). With
+ * combine_sum, combine fills out[tokens][hidden] with the weighted sums instead. */
 int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32_t *ids,
-		   uint32_t tokens, const struct ro_ep_batch **ret);
+		   const float *w, uint32_t tokens, const struct ro_ep_batch **ret);
 float *ro_ep_combine_buffer(struct ro_ep *ep);
 int ro_ep_combine(struct ro_ep *ep, float *out);
 

@@ -5,6 +5,7 @@
  * named by the others within the timeout. */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -41,6 +42,7 @@ struct group {
 	char name[64];
 	enum ro_ep_dtype dtype;
 	uint32_t timeout_ms;
+	bool sum; /* combine_sum */
 };
 
 /* In a child: print why and exit 1. */
@@ -81,6 +83,7 @@ static struct ro_ep *join(const struct group *g, uint32_t rank, uint32_t max_tok
 	o.ll_tokens = ll;
 	o.dispatch_dtype = o.combine_dtype = g->dtype;
 	o.timeout_ms = g->timeout_ms ? g->timeout_ms : 20000;
+	o.combine_sum = g->sum;
 	r = ro_ep_new(&o, &ep, err, sizeof(err));
 	if (r)
 		die("rank %u: ro_ep_new: %s", rank, err);
@@ -211,6 +214,7 @@ static void exchange_rounds(const struct group *g, uint32_t rank)
 	const bool bf16 = g->dtype == RO_EP_BF16;
 	float *x = malloc(CAP * H * sizeof(float)), *out = malloc(CAP * K * H * sizeof(float));
 	int32_t *ids = malloc(CAP * K * sizeof(int32_t)), *sids = malloc(CAP * K * sizeof(int32_t));
+	float *w = malloc(CAP * K * sizeof(float));
 	uint32_t round = 0;
 
 	for (int mode = 0; mode < 2; mode++) {
@@ -229,7 +233,9 @@ static void exchange_rounds(const struct group *g, uint32_t rank)
 					for (uint32_t d = 0; d < H; d++)
 						x[t * H + d] = xval(rank, round, t, d);
 				routing(rt, rank, round, g->world, T, ids);
-				if (ro_ep_dispatch(ep, round % 7, x, ids, T, &b))
+				for (uint32_t i = 0; i < T * K; i++)
+					w[i] = 0.125f * (float)(1 + (i * 7 + round) % 8);
+				if (ro_ep_dispatch(ep, round % 7, x, ids, g->sum ? w : NULL, T, &b))
 					die("rank %u %s %s: dispatch: %s", rank,
 					    mode ? "throughput" : "low-latency", routing_name[rt],
 					    ro_ep_errmsg(ep));
@@ -278,7 +284,29 @@ static void exchange_rounds(const struct group *g, uint32_t rank)
 				memset(out, 0xff, (size_t)CAP * K * H * sizeof(float));
 				if (ro_ep_combine(ep, out))
 					die("rank %u: combine: %s", rank, ro_ep_errmsg(ep));
-				for (uint32_t t = 0; t < T; t++)
+				/* combine_sum: per owner rank the weighted sum in expert order,
+				 * then summed at home in rank order */
+				for (uint32_t t = 0; g->sum && t < T; t++)
+					for (uint32_t d = 0; d < H; d++) {
+						float want = 0, got = out[(size_t)t * H + d];
+
+						for (uint32_t o = 0; o < g->world; o++) {
+							float part = 0;
+
+							for (uint32_t j = 0; j < K; j++)
+								if ((uint32_t)ids[t * K + j] % g->world == o)
+									part = part + w[t * K + j] *
+										   expert_fn(x[t * H + d],
+											     ids[t * K + j],
+											     bf16);
+							want = want + part;
+						}
+						if (memcmp(&got, &want, sizeof(got)))
+							die("rank %u %s: token %u element %u: sum %g, "
+							    "want %g",
+							    rank, routing_name[rt], t, d, got, want);
+					}
+				for (uint32_t t = 0; !g->sum && t < T; t++)
 					for (uint32_t j = 0; j < K; j++)
 						for (uint32_t d = 0; d < H; d++) {
 							float want = expert_fn(x[t * H + d],
@@ -300,6 +328,7 @@ static void exchange_rounds(const struct group *g, uint32_t rank)
 	free(out);
 	free(ids);
 	free(sids);
+	free(w);
 	(void)ro_ep_free(ep);
 }
 
@@ -320,6 +349,15 @@ Test(ep, dispatch_combine_tcp)
 Test(ep, dispatch_combine_shm)
 {
 	exchanges("shm", RO_EP_F32);
+}
+
+Test(ep, dispatch_combine_sum_tcp_shm)
+{
+	for (uint32_t w = 2; w <= 4; w += 2) {
+		struct group g = {.provider = w == 2 ? "tcp" : "shm", .world = w, .sum = true};
+
+		run_group(&g, exchange_rounds);
+	}
 }
 
 Test(ep, dispatch_combine_bf16_shm)
@@ -344,7 +382,7 @@ static void dies_after_connect(const struct group *g, uint32_t rank)
 	ro_ep_set_mode(ep, RO_EP_LOW_LATENCY);
 	/* give the dead rank's process time to be gone */
 	usleep(200000);
-	r = ro_ep_dispatch(ep, 0, x, ids, 1, &b);
+	r = ro_ep_dispatch(ep, 0, x, ids, NULL, 1, &b);
 	if (!r) {
 		float *y = ro_ep_combine_buffer(ep), out[K * H];
 
@@ -356,7 +394,7 @@ static void dies_after_connect(const struct group *g, uint32_t rank)
 	if (!strstr(ro_ep_errmsg(ep), "rank 2"))
 		die("rank %u: error does not name rank 2: %s", rank, ro_ep_errmsg(ep));
 	/* and everything after fails at once */
-	if (ro_ep_dispatch(ep, 1, x, ids, 1, &b) != -EPIPE)
+	if (ro_ep_dispatch(ep, 1, x, ids, NULL, 1, &b) != -EPIPE)
 		die("rank %u: a broken group accepted another exchange", rank);
 	(void)ro_ep_free(ep);
 	_exit(0);
@@ -481,7 +519,12 @@ static void forward_equal(const struct group *g, uint32_t rank)
 			for (uint32_t i = 0; i < n; i++) {
 				uint32_t best = 0;
 
-				if (memcmp(lr[i], le[i], c->vocab * sizeof(float)))
+				for (uint32_t v = 0; g->sum && v < c->vocab; v++)
+					if (fabsf(lr[i][v] - le[i][v]) > 1e-4f * (1 + fabsf(lr[i][v])))
+						die("rank %u step %u seq %u: combine_sum logit %u is "
+						    "%g, single rank %g",
+						    rank, step, i, v, le[i][v], lr[i][v]);
+				if (!g->sum && memcmp(lr[i], le[i], c->vocab * sizeof(float)))
 					die("rank %u step %u seq %u: EP logits differ from the "
 					    "single-rank forward",
 					    rank, step, i);
@@ -562,6 +605,15 @@ Test(ep, forward_bitwise_equal, .fini = rm_model)
 
 		run_group(&g, forward_equal);
 	}
+}
+
+/* combine_sum regroups the additions: close to, not bitwise, the single-rank forward */
+Test(ep, forward_combine_sum_close, .fini = rm_model)
+{
+	struct group g = {.provider = "shm", .world = 3, .sum = true};
+
+	make_model_once();
+	run_group(&g, forward_equal);
 }
 
 Test(ep, group_drain_in_band, .fini = rm_model)

@@ -66,13 +66,15 @@ struct ro_ep {
 	uint32_t to_rows[MAX_WORLD], to_pairs[MAX_WORLD], to_off[MAX_WORLD + 1];
 	uint32_t hp_off[MAX_WORLD + 1];
 	uint32_t *hp; /* (token * K + j) of every pair sent, by destination */
+	uint32_t *ht; /* the token of every row sent, by destination */
+	bool sum;     /* combine_sum */
 	uint32_t cnt[MAX_WORLD][MAX_WORLD][2];
 	/* owner side */
 	uint32_t from_rows[MAX_WORLD], from_pairs[MAX_WORLD];
 	const float **xptr, **pair_x;
 	uint32_t *row_src, *pair_row;
 	int32_t *pair_expert;
-	float *xdec, *ybuf;
+	float *pair_w, *xdec, *ybuf, *acc;
 	struct ro_ep_batch b;
 	struct ro_model *m;
 	struct ro_ep_group grp;
@@ -132,6 +134,9 @@ struct ro_ep *ro_ep_free(struct ro_ep *ep)
 		ro_model_set_exchange(ep->m, NULL);
 	(void)ro_fab_close(ep->f);
 	free(ep->hp);
+	free(ep->ht);
+	free(ep->pair_w);
+	free(ep->acc);
 	free(ep->xptr);
 	free(ep->pair_x);
 	free(ep->row_src);
@@ -180,7 +185,9 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 	ep->cap = o->max_tokens;
 	ep->desz = o->dispatch_dtype == RO_EP_BF16 ? 2 : 4;
 	ep->cesz = o->combine_dtype == RO_EP_BF16 ? 2 : 4;
-	ep->dmeta = (ep->K * 2 + 15) & ~(size_t)15;
+	ep->sum = o->combine_sum;
+	/* meta: the K expert ids (int16, -1 padded), then with combine_sum their K weights */
+	ep->dmeta = (ep->K * 2 + (ep->sum ? ep->K * 4 : 0) + 15) & ~(size_t)15;
 	ep->drow = ep->dmeta + ((ep->H * ep->desz + 15) & ~(size_t)15);
 	ep->crow = ep->H * ep->cesz;
 	ep->dcap_rows = (size_t)ep->W * ep->cap;
@@ -198,13 +205,15 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 	ep->s_comb = ep->s_disp + align64((size_t)ep->cap * (ep->W < ep->K ? ep->W : ep->K) * ep->drow);
 	ep->send_len = ep->s_comb + align64(ep->scomb_pairs * ep->H * 4);
 	ep->hp = malloc((size_t)ep->cap * ep->K * sizeof(*ep->hp));
+	ep->ht = malloc((size_t)ep->cap * ep->W * sizeof(*ep->ht));
+	ep->pair_w = malloc(ep->scomb_pairs * sizeof(*ep->pair_w));
 	ep->xptr = malloc(ep->dcap_rows * sizeof(*ep->xptr));
 	ep->row_src = malloc(ep->dcap_rows * sizeof(*ep->row_src));
 	ep->pair_x = malloc(ep->scomb_pairs * sizeof(*ep->pair_x));
 	ep->pair_row = malloc(ep->scomb_pairs * sizeof(*ep->pair_row));
 	ep->pair_expert = malloc(ep->scomb_pairs * sizeof(*ep->pair_expert));
-	if (!ep->hp || !ep->xptr || !ep->row_src || !ep->pair_x || !ep->pair_row ||
-	    !ep->pair_expert) {
+	if (!ep->hp || !ep->ht || !ep->pair_w || !ep->xptr || !ep->row_src || !ep->pair_x ||
+	    !ep->pair_row || !ep->pair_expert) {
 		r = ro_errf(err, errlen, -ENOMEM, "out of memory");
 		goto fail;
 	}
@@ -436,7 +445,7 @@ static void put_row(const struct ro_ep *ep, uint8_t *row, const float *x, const 
 }
 
 int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32_t *ids,
-		   uint32_t tokens, const struct ro_ep_batch **ret)
+		   const float *w, uint32_t tokens, const struct ro_ep_batch **ret)
 {
 	const uint32_t W = ep->W, K = ep->K, me = ep->me;
 	const bool ll = ep->mode == RO_EP_LOW_LATENCY;
@@ -449,6 +458,8 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 
 	if (ep->broken)
 		return fail(ep, -EPIPE, "ep rank %u: the group is broken: %s", me, ep->err);
+	if (ep->sum && tokens && !w)
+		return fail(ep, -EINVAL, "ep: combine_sum needs the routing weights");
 	if (tokens > (ll ? ep->ll : ep->cap))
 		return fail(ep, -E2BIG, "ep: %u tokens, the %s slot holds %u", tokens,
 			    ll ? "low-latency" : "throughput", ll ? ep->ll : ep->cap);
@@ -488,12 +499,15 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 
 			if (!((started >> d) & 1)) {
 				started |= 1ull << d;
+				ep->ht[ep->to_off[d] + cur[d]] = t;
 				row[d] = send + (size_t)(ep->to_off[d] + cur[d]++) * ep->drow;
 				memset(row[d], 0xff, ep->dmeta);
 				nk[d] = 0;
 				put_row(ep, row[d], x + (size_t)t * ep->H, first);
 				first = row[d];
 			}
+			if (ep->sum)
+				memcpy(row[d] + K * 2 + nk[d] * 4, &w[(size_t)t * K + j], 4);
 			((int16_t *)row[d])[nk[d]++] = (int16_t)e;
 			ep->hp[ep->hp_off[d] + pc[d]++] = t * K + j;
 		}
@@ -586,6 +600,8 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 								       s, meta[k]));
 					ep->pair_row[pairs] = (uint32_t)rows;
 					ep->pair_expert[pairs] = meta[k];
+					if (ep->sum)
+						memcpy(&ep->pair_w[pairs], row + K * 2 + k * 4, 4);
 					ep->pair_x[pairs] = xr;
 					pairs++;
 					ep->from_pairs[s]++;
@@ -597,7 +613,8 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 	}
 	ep->b = (struct ro_ep_batch){.rows = (uint32_t)rows, .x = ep->xptr, .row_src = ep->row_src,
 				     .pairs = pairs, .pair_row = ep->pair_row,
-				     .pair_expert = ep->pair_expert, .pair_x = ep->pair_x};
+				     .pair_expert = ep->pair_expert, .pair_w = ep->pair_w,
+				     .pair_x = ep->pair_x};
 	*ret = &ep->b;
 	ep->st.exchanges++;
 	ep->st.ll_exchanges += ll;
@@ -615,6 +632,35 @@ float *ro_ep_combine_buffer(struct ro_ep *ep)
 	return ep->ybuf;
 }
 
+/* With combine_sum, each received row's pairs (in expert order) become one weighted sum,
+ * written where the row's outputs go: rows from each source stay contiguous. */
+static int reduce_rows(struct ro_ep *ep, const float *y, uint8_t *send)
+{
+	const uint32_t H = ep->H;
+	size_t p = 0;
+
+	if (!ep->acc && !(ep->acc = malloc(H * sizeof(float))))
+		return -ENOMEM;
+	/* y may be the send area itself: row r's sum goes to slot r only after its pairs
+	 * (at slots >= r) were read, and later rows' pairs lie beyond them */
+	for (uint32_t r = 0; r < ep->b.rows; r++) {
+		float *acc = ep->acc;
+
+		memset(acc, 0, H * sizeof(float));
+		for (; p < ep->b.pairs && ep->pair_row[p] == r; p++) {
+			const float wt = ep->pair_w[p], *yp = y + p * H;
+
+			for (uint32_t d = 0; d < H; d++)
+				acc[d] = acc[d] + wt * yp[d];
+		}
+		if (ep->cesz == 2)
+			to_bf16((uint16_t *)(send + (size_t)r * ep->crow), acc, H);
+		else
+			memcpy(send + (size_t)r * ep->crow, acc, H * sizeof(float));
+	}
+	return 0;
+}
+
 int ro_ep_combine(struct ro_ep *ep, float *out)
 {
 	const uint32_t W = ep->W, me = ep->me, H = ep->H, layer = ep->layer;
@@ -622,61 +668,86 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 	uint8_t *send = (uint8_t *)ro_fab_send(ep->f) + ep->s_comb;
 	const uint8_t *region = ro_fab_region(ep->f);
 	const uint32_t par = ep->seq[K_COMB] & 1;
+	const uint32_t *from = ep->sum ? ep->from_rows : ep->from_pairs;
 	double t0 = mono_msf();
-	size_t poff = 0;
+	size_t sent = 0;
 	int r;
 
 	if (ep->broken)
 		return fail(ep, -EPIPE, "ep rank %u: the group is broken: %s", me, ep->err);
-	if (ep->cesz == 2) {
+	if (ep->sum) {
+		const float *y = ro_ep_combine_buffer(ep);
+
+		if (!y)
+			return broken(ep, -ENOMEM);
+		r = reduce_rows(ep, y, send);
+		if (r)
+			return broken(ep, r);
+	} else if (ep->cesz == 2) {
 		if (!ep->ybuf)
 			return broken(ep, -ENOMEM);
 		to_bf16((uint16_t *)send, ep->ybuf, ep->b.pairs * H);
 	}
-	/* the outputs for source s are contiguous (rows came in by source) */
+	/* the results for source s are contiguous (rows came in by source) */
 	for (uint32_t i = 1; i <= W; i++) {
 		uint32_t s = (me + i) % W;
 		size_t base = 0, off = 0;
 
 		for (uint32_t s2 = 0; s2 < s; s2++)
-			off += ep->from_pairs[s2];
+			off += from[s2];
 		if (ll)
 			base = (size_t)me * ep->ll * ep->Kl;
 		else
 			for (uint32_t d = 0; d < me; d++)
-				base += ep->cnt[s][d][1];
-		r = ro_fab_write(ep->f, s, ep->s_comb + off * ep->crow,
-				 (size_t)ep->from_pairs[s] * ep->crow, ep->off_comb + base * ep->crow,
-				 cq_data(K_COMB, par, me, layer, ep->from_pairs[s]), ep->err,
-				 sizeof(ep->err));
+				base += ep->cnt[s][d][ep->sum ? 0 : 1];
+		r = ro_fab_write(ep->f, s, ep->s_comb + off * ep->crow, (size_t)from[s] * ep->crow,
+				 ep->off_comb + base * ep->crow,
+				 cq_data(K_COMB, par, me, layer, from[s]), ep->err, sizeof(ep->err));
 		if (r)
 			return broken(ep, r);
-		poff += ep->from_pairs[s];
+		sent += from[s];
 	}
 	r = wait_all(ep, K_COMB, layer);
 	if (r)
 		return r;
-	/* back home: each (token, j) output to its place, whatever order it came in */
+	if (ep->sum)
+		memset(out, 0, (size_t)ep->T * H * sizeof(float));
+	/* back home, in rank order (sum) or to each (token, j) place (exact): either way the
+	 * result does not depend on the order things arrived in */
 	for (uint32_t d = 0; d < W; d++) {
 		const struct arrival *a = &ep->arr[K_COMB][par][d];
-		size_t base = ll ? (size_t)d * ep->ll * ep->Kl : ep->hp_off[d];
+		const uint32_t want = ep->sum ? ep->to_rows[d] : ep->to_pairs[d];
+		size_t base = ll ? (size_t)d * ep->ll * ep->Kl
+				 : (ep->sum ? ep->to_off[d] : ep->hp_off[d]);
 
-		if (a->n != ep->to_pairs[d])
+		if (a->n != want)
 			return broken(ep, fail(ep, -EPROTO,
-					       "ep: rank %u returned %u outputs, we sent it %u", d,
-					       a->n, ep->to_pairs[d]));
+					       "ep: rank %u returned %u results, we sent it %u", d,
+					       a->n, want));
 		for (uint32_t i = 0; i < a->n; i++) {
 			const uint8_t *src = region + ep->off_comb + (base + i) * ep->crow;
-			float *dst = out + (size_t)ep->hp[ep->hp_off[d] + i] * H;
 
-			if (ep->cesz == 4)
-				memcpy(dst, src, H * sizeof(float));
-			else
-				from_bf16(dst, (const uint16_t *)src, H);
+			if (ep->sum) {
+				float *dst = out + (size_t)ep->ht[ep->to_off[d] + i] * H;
+
+				if (ep->cesz == 2) {
+					from_bf16(ep->acc, (const uint16_t *)src, H);
+					src = (const uint8_t *)ep->acc;
+				}
+				for (uint32_t k = 0; k < H; k++)
+					dst[k] = dst[k] + ((const float *)src)[k];
+			} else {
+				float *dst = out + (size_t)ep->hp[ep->hp_off[d] + i] * H;
+
+				if (ep->cesz == 4)
+					memcpy(dst, src, H * sizeof(float));
+				else
+					from_bf16(dst, (const uint16_t *)src, H);
+			}
 		}
 	}
 	consumed(ep, K_COMB);
-	ep->st.combine_bytes += (uint64_t)poff * H * ep->cesz;
+	ep->st.combine_bytes += (uint64_t)sent * H * ep->cesz;
 	ep->st.combine_ms += mono_msf() - t0;
 	return 0;
 }
@@ -739,7 +810,7 @@ static void take_group(struct ro_ep *ep, const struct ctl_rec *all)
 }
 
 static int exchange(void *ctx, uint32_t layer, const float *x, const int32_t *ids,
-		    uint32_t tokens, uint32_t top_k, uint32_t hidden, float *out)
+		    const float *w, uint32_t tokens, uint32_t top_k, uint32_t hidden, float *out)
 {
 	struct ro_ep *ep = ctx;
 	const uint32_t cap = ep->mode == RO_EP_LOW_LATENCY ? ep->ll : ep->cap;
@@ -759,12 +830,15 @@ static int exchange(void *ctx, uint32_t layer, const float *x, const int32_t *id
 			return broken(ep, fail(ep, -E2BIG, "ep: %u tokens, the group agreed on %u",
 					       tokens, ep->passes * cap));
 		r = ro_ep_dispatch(ep, layer, n ? x + (size_t)start * hidden : x,
-				   n ? ids + (size_t)start * top_k : ids, n, &b);
+				   n ? ids + (size_t)start * top_k : ids,
+				   n ? w + (size_t)start * top_k : w, n, &b);
 		if (!r)
 			r = ro_model_experts(ep->m, layer, b->pair_x, b->pair_expert, b->pairs,
 					     ro_ep_combine_buffer(ep));
 		if (!r)
-			r = ro_ep_combine(ep, n ? out + (size_t)start * top_k * hidden : out);
+			r = ro_ep_combine(ep, n ? out + (size_t)start *
+							      (ep->sum ? 1 : top_k) * hidden
+						: out);
 		if (r)
 			return broken(ep, r);
 	}
@@ -774,7 +848,7 @@ static int exchange(void *ctx, uint32_t layer, const float *x, const int32_t *id
 void ro_ep_attach(struct ro_ep *ep, struct ro_model *m)
 {
 	struct ro_moe_exchange x = {.ctx = ep, .rank = ep->me, .world = ep->W,
-				    .exchange = exchange};
+				    .exchange = exchange, .summed = ep->sum};
 
 	ep->m = m;
 	ro_model_set_exchange(m, &x);

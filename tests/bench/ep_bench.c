@@ -33,6 +33,7 @@ struct res {
 	double d_us, c_us, d_bytes, c_bytes;
 };
 
+#define NRES 4
 static char rdv[64];
 static char mpi_bin[512];
 
@@ -60,7 +61,7 @@ static void die(const char *what, const char *msg)
 /* Rendezvous through files: each rank writes its card, then reads everyone's. */
 static struct ro_ep *join(const char *provider, const char *tag, uint32_t rank, uint32_t W,
 			  uint32_t H, uint32_t K, uint32_t E, uint32_t T, enum ro_ep_dtype dt,
-			  enum ro_ep_mode mode)
+			  enum ro_ep_mode mode, bool sum)
 {
 	struct ro_ep_opts o;
 	struct ro_ep *ep;
@@ -82,6 +83,7 @@ static struct ro_ep *join(const char *provider, const char *tag, uint32_t rank, 
 	o.mode = mode;
 	o.dispatch_dtype = o.combine_dtype = dt;
 	o.timeout_ms = 60000;
+	o.combine_sum = sum;
 	if (ro_ep_new(&o, &ep, err, sizeof(err)))
 		die("ro_ep_new", err);
 	if (ro_ep_card(ep, card, &len))
@@ -109,8 +111,8 @@ static struct ro_ep *join(const char *provider, const char *tag, uint32_t rank, 
 }
 
 /* iters timed exchanges (after 3 warm-up ones), each started together (a group round). */
-static struct res measure(struct ro_ep *ep, const float *x, const int32_t *ids, uint32_t T,
-			  uint32_t H, uint32_t iters)
+static struct res measure(struct ro_ep *ep, const float *x, const int32_t *ids, const float *w,
+			  uint32_t T, uint32_t H, uint32_t iters)
 {
 	double *td = malloc(iters * sizeof(double)), *tc = malloc(iters * sizeof(double));
 	float *out = malloc((size_t)T * 8 * H * sizeof(float) + (size_t)T * 64 * H * 4);
@@ -127,7 +129,7 @@ static struct res measure(struct ro_ep *ep, const float *x, const int32_t *ids, 
 		if (it == 3)
 			ro_ep_stats(ep, &s0);
 		t0 = now_us();
-		if (ro_ep_dispatch(ep, it % 32, x, ids, T, &b))
+		if (ro_ep_dispatch(ep, it % 32, x, ids, w, T, &b))
 			die("dispatch", ro_ep_errmsg(ep));
 		t1 = now_us();
 		(void)ro_ep_combine_buffer(ep); /* the experts would write here */
@@ -152,46 +154,52 @@ static struct res measure(struct ro_ep *ep, const float *x, const int32_t *ids, 
 	return r;
 }
 
-/* One rank: the routed exchange, the dense one, and (low-latency) the 8 KB round. */
+/* One rank: the routed exchange (exact combine, then combine_sum), the dense one, and
+ * (low-latency) the 8 KB round. */
 static void rank_main(const char *prov, const struct cfg *c, uint32_t rank, uint32_t W, int fd)
 {
-	const uint32_t T = c->T, H = c->H;
-	float *x = malloc((size_t)T * H * sizeof(float));
-	int32_t *ids = malloc((size_t)T * (c->K > W ? c->K : W) * sizeof(int32_t));
-	struct res out[3] = {0};
+	const uint32_t T = c->T, H = c->H, KK = c->K > W ? c->K : W;
+	float *x = malloc((size_t)T * H * sizeof(float)), *w = malloc((size_t)T * KK * 4);
+	int32_t *ids = malloc((size_t)T * KK * sizeof(int32_t));
+	struct res out[NRES] = {0};
 	struct ro_ep *ep;
 	char tag[64];
 
 	for (size_t i = 0; i < (size_t)T * H; i++)
 		x[i] = (float)(epb_mix(i + rank) % 1000) / 100.0f;
+	for (size_t i = 0; i < (size_t)T * KK; i++)
+		w[i] = 1.0f / (float)c->K;
 	epb_routing(rank, T, c->K, c->E, ids);
-	(void)snprintf(tag, sizeof(tag), "%s-%s-%u-routed", prov, c->mode_name, W);
-	ep = join(prov, tag, rank, W, H, c->K, c->E, T, RO_EP_BF16, c->mode);
-	out[0] = measure(ep, x, ids, T, H, c->iters);
-	(void)ro_ep_free(ep);
+	for (int sum = 0; sum < 2; sum++) {
+		(void)snprintf(tag, sizeof(tag), "%s-%s-%u-routed%d", prov, c->mode_name, W, sum);
+		ep = join(prov, tag, rank, W, H, c->K, c->E, T, RO_EP_BF16, c->mode, sum);
+		out[sum] = measure(ep, x, ids, w, T, H, c->iters);
+		(void)ro_ep_free(ep);
+	}
 	/* dense: every token to every rank */
 	for (uint32_t t = 0; t < T; t++)
 		for (uint32_t j = 0; j < W; j++)
 			ids[(size_t)t * W + j] = (int32_t)j;
 	(void)snprintf(tag, sizeof(tag), "%s-%s-%u-dense", prov, c->mode_name, W);
-	ep = join(prov, tag, rank, W, H, W, W, T, RO_EP_BF16, c->mode);
-	out[1] = measure(ep, x, ids, T, H, c->iters);
+	ep = join(prov, tag, rank, W, H, W, W, T, RO_EP_BF16, c->mode, false);
+	out[2] = measure(ep, x, ids, NULL, T, H, c->iters);
 	(void)ro_ep_free(ep);
 	if (c->mode == RO_EP_LOW_LATENCY) {
 		/* one 8 KB message to every rank: 2048 f32 */
 		(void)snprintf(tag, sizeof(tag), "%s-%u-8k", prov, W);
-		ep = join(prov, tag, rank, W, 2048, W, W, 1, RO_EP_F32, RO_EP_LOW_LATENCY);
-		out[2] = measure(ep, x, ids, 1, 2048, c->iters * 2);
+		ep = join(prov, tag, rank, W, 2048, W, W, 1, RO_EP_F32, RO_EP_LOW_LATENCY, false);
+		out[3] = measure(ep, x, ids, NULL, 1, 2048, c->iters * 2);
 		(void)ro_ep_free(ep);
 	}
 	if (write(fd, out, sizeof(out)) != (ssize_t)sizeof(out))
 		_exit(1);
 	free(x);
+	free(w);
 	free(ids);
 	_exit(0);
 }
 
-static int run(const char *prov, const struct cfg *c, uint32_t W, struct res agg[3])
+static int run(const char *prov, const struct cfg *c, uint32_t W, struct res agg[NRES])
 {
 	int fds[2];
 	pid_t pid[8];
@@ -199,7 +207,7 @@ static int run(const char *prov, const struct cfg *c, uint32_t W, struct res agg
 
 	if (pipe(fds))
 		return -errno;
-	memset(agg, 0, 3 * sizeof(*agg));
+	memset(agg, 0, NRES * sizeof(*agg));
 	for (uint32_t r = 0; r < W; r++) {
 		pid[r] = fork();
 		if (!pid[r]) {
@@ -209,13 +217,13 @@ static int run(const char *prov, const struct cfg *c, uint32_t W, struct res agg
 	}
 	(void)close(fds[1]);
 	for (uint32_t r = 0; r < W; r++) {
-		struct res one[3];
+		struct res one[NRES];
 
 		if (read(fds[0], one, sizeof(one)) != (ssize_t)sizeof(one)) {
 			rc = -EIO;
 			break;
 		}
-		for (int k = 0; k < 3; k++) {
+		for (int k = 0; k < NRES; k++) {
 			if (one[k].d_us > agg[k].d_us)
 				agg[k].d_us = one[k].d_us;
 			if (one[k].c_us > agg[k].c_us)
@@ -236,7 +244,7 @@ static int run(const char *prov, const struct cfg *c, uint32_t W, struct res agg
 }
 
 /* The MPI baseline, under mpirun, bound to this host (shared memory and loopback). */
-static bool run_mpi(const struct cfg *c, uint32_t W, double *d_us, double *c_us)
+static bool run_mpi(const struct cfg *c, uint32_t W, bool sum, double *d_us, double *c_us)
 {
 	char cmd[1024], line[256];
 	const char *self = getenv("RO_EP_MPI") ? getenv("RO_EP_MPI") : mpi_bin;
@@ -248,8 +256,8 @@ static bool run_mpi(const struct cfg *c, uint32_t W, double *d_us, double *c_us)
 	(void)snprintf(cmd, sizeof(cmd),
 		       "mpirun --allow-run-as-root --oversubscribe -np %u --bind-to none "
 		       "--mca btl self,vader --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo "
-		       "%s %u %u %u %u %u 2>/dev/null",
-		       W, self, c->H, c->K, c->E, c->T, c->iters);
+		       "%s %u %u %u %u %u %s 2>/dev/null",
+		       W, self, c->H, c->K, c->E, c->T, c->iters, sum ? "sum" : "");
 	p = popen(cmd, "r");
 	if (!p)
 		return false;
@@ -305,45 +313,49 @@ int main(int argc, char **argv)
 	printf("ep_bench: memcpy ceiling %.1f GB/s (one core), %ld CPUs, MPI baseline %s\n", mem,
 	       sysconf(_SC_NPROCESSORS_ONLN),
 	       access(mpi_bin, X_OK) ? "not built (scripts/deps --bench; make bench)" : mpi_bin);
-	printf("%-11s %-4s %-2s | %9s %7s %9s %7s | %9s %9s | %8s %8s | %s\n", "mode", "prov",
-	       "W", "disp us", "GB/s", "comb us", "GB/s", "mpi d+c", "dense d+c", "x mpi",
-	       "x dense", "goal");
+	printf("%-11s %-5s %-4s %-2s | %8s %6s %8s %6s | %9s %9s | %6s %7s | %s\n", "mode",
+	       "comb", "prov", "W", "disp us", "GB/s", "comb us", "GB/s", "mpi d+c", "dense d+c",
+	       "x mpi", "x dense", "goal");
 	for (size_t ci = 0; ci < 2; ci++) {
 		for (uint32_t W = 2; W <= (quick ? 2u : 4u); W += 2) {
-			double md = 0, mc = 0;
-			bool have_mpi = run_mpi(&cfgs[ci], W, &md, &mc);
+			double md[2] = {0}, mc[2] = {0};
+			bool have_mpi[2];
 
+			for (int sum = 0; sum < 2; sum++)
+				have_mpi[sum] = run_mpi(&cfgs[ci], W, sum, &md[sum], &mc[sum]);
 			for (size_t pi = 0; pi < 2; pi++) {
-				struct res a[3];
-				double ours, goal;
+				struct res a[NRES];
 
 				if (run(provs[pi], &cfgs[ci], W, a)) {
-					printf("%-11s %-4s %-2u | failed\n", cfgs[ci].mode_name,
-					       provs[pi], W);
+					printf("%-11s %-5s %-4s %-2u | failed\n", cfgs[ci].mode_name,
+					       "", provs[pi], W);
 					continue;
 				}
-				ours = a[0].d_us + a[0].c_us;
-				printf("%-11s %-4s %-2u | %9.0f %7.2f %9.0f %7.2f | ", cfgs[ci].mode_name,
-				       provs[pi], W, a[0].d_us, a[0].d_bytes / a[0].d_us / 1e3,
-				       a[0].c_us, a[0].c_bytes / a[0].c_us / 1e3);
-				if (have_mpi)
-					printf("%9.0f ", md + mc);
-				else
-					printf("%9s ", "n/a");
-				printf("%9.0f | ", a[1].d_us + a[1].c_us);
-				if (have_mpi)
-					printf("%8.2f ", (md + mc) / ours);
-				else
-					printf("%8s ", "n/a");
-				printf("%8.2f | ", (a[1].d_us + a[1].c_us) / ours);
-				if (cfgs[ci].mode == RO_EP_THROUGHPUT) {
-					goal = a[0].d_bytes / a[0].d_us / 1e3 / mem;
-					printf("dispatch %.0f%% of memcpy (goal >= 50%% on shm)%s\n",
-					       goal * 100,
-					       have_mpi ? ", x mpi goal >= 1.5" : "");
-				} else {
-					printf("d+c = %.1f x the 8 KB round (%.0f us; goal < 2)\n",
-					       ours / a[2].d_us, a[2].d_us);
+				for (int sum = 0; sum < 2; sum++) {
+					const struct res *o = &a[sum];
+					double ours = o->d_us + o->c_us;
+
+					printf("%-11s %-5s %-4s %-2u | %8.0f %6.2f %8.0f %6.2f | ",
+					       cfgs[ci].mode_name, sum ? "sum" : "exact", provs[pi], W,
+					       o->d_us, o->d_bytes / o->d_us / 1e3, o->c_us,
+					       o->c_bytes / o->c_us / 1e3);
+					if (have_mpi[sum])
+						printf("%9.0f ", md[sum] + mc[sum]);
+					else
+						printf("%9s ", "n/a");
+					printf("%9.0f | ", a[2].d_us + a[2].c_us);
+					if (have_mpi[sum])
+						printf("%6.2f ", (md[sum] + mc[sum]) / ours);
+					else
+						printf("%6s ", "n/a");
+					printf("%7.2f | ", (a[2].d_us + a[2].c_us) / ours);
+					if (cfgs[ci].mode == RO_EP_THROUGHPUT)
+						printf("dispatch %.0f%% of memcpy (>= 50%% on shm), x mpi "
+						       ">= 1.5\n",
+						       o->d_bytes / o->d_us / 1e3 / mem * 100);
+					else
+						printf("d+c = %.0f x the 8 KB round of %.0f us (< 2)\n",
+						       ours / a[3].d_us, a[3].d_us);
 				}
 				fflush(stdout);
 			}

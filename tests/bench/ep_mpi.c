@@ -2,7 +2,8 @@
  * MPI_Alltoallv (rows), as a user without a MoE-specific transport would write it, with the
  * same packed rows ([K int16 expert ids | bf16 hidden]) and the same bytes as rolloutd's
  * throughput mode. Run by ep_bench under mpirun; prints one line from rank 0:
- *   mpi dispatch_us D combine_us C   (the slowest rank's median) */
+ *   mpi dispatch_us D combine_us C   (the slowest rank's median)
+ * With a 6th argument "sum", combine returns one row per (token, rank), as combine_sum. */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,7 +36,7 @@ int main(int argc, char **argv)
 	MPI_Init(&argc, &argv);
 	MPI_Comm_size(MPI_COMM_WORLD, &W);
 	MPI_Comm_rank(MPI_COMM_WORLD, &me);
-	if (argc != 6) {
+	if (argc != 6 && argc != 7) {
 		if (!me)
 			fprintf(stderr, "usage: ep_mpi HIDDEN TOPK EXPERTS TOKENS ITERS\n");
 		MPI_Finalize();
@@ -46,6 +47,7 @@ int main(int argc, char **argv)
 	E = (uint32_t)atoi(argv[3]);
 	T = (uint32_t)atoi(argv[4]);
 	iters = (uint32_t)atoi(argv[5]);
+	const int sum = argc == 7 && !strcmp(argv[6], "sum");
 	meta = (K * 2 + 15) & ~(size_t)15;
 	drow = meta + ((H * 2 + 15) & ~(size_t)15);
 	crow = (size_t)H * 2;
@@ -57,6 +59,7 @@ int main(int argc, char **argv)
 		uint8_t *cs = malloc((size_t)W * T * K * crow), *cr = malloc((size_t)T * K * crow);
 		float *out = malloc((size_t)T * K * H * sizeof(float));
 		uint32_t *hp = malloc((size_t)T * K * sizeof(uint32_t));
+		uint32_t *ht = malloc((size_t)T * W * sizeof(uint32_t));
 		int *scnt = calloc(W, sizeof(int)), *sdsp = calloc(W, sizeof(int)),
 		    *rcnt = calloc(W, sizeof(int)), *rdsp = calloc(W, sizeof(int)),
 		    *cnt2 = calloc(2 * W, sizeof(int)), *rcnt2 = calloc(2 * W, sizeof(int)),
@@ -101,6 +104,7 @@ int main(int argc, char **argv)
 
 					if (!((st >> d) & 1)) {
 						st |= 1ull << d;
+						ht[off[d] + cur[d]] = t;
 						row[d] = sbuf + (size_t)(off[d] + cur[d]++) * drow;
 						memset(row[d], 0xff, meta);
 						nk[d] = 0;
@@ -129,25 +133,29 @@ int main(int argc, char **argv)
 			t1 = MPI_Wtime();
 			/* combine: each received pair's output (here: zeros) back to its home */
 			for (int s = 0; s < W; s++) {
-				cscnt[s] = (int)(rcnt2[2 * s + 1] * crow);
+				int back = sum ? rcnt2[2 * s] : rcnt2[2 * s + 1];
+
+				cscnt[s] = (int)(back * crow);
 				csdsp[s] = (int)(ptot * crow);
-				ptot += (size_t)rcnt2[2 * s + 1];
-				crcnt[s] = (int)(pairs[s] * crow);
-				crdsp[s] = (int)(poff[s] * crow);
+				ptot += (size_t)back;
+				crcnt[s] = (int)((sum ? rows[s] : pairs[s]) * crow);
+				crdsp[s] = (int)((sum ? off[s] : poff[s]) * crow);
 			}
 			memset(cs, 0, ptot * crow);
 			MPI_Alltoallv(cs, cscnt, csdsp, MPI_BYTE, cr, crcnt, crdsp, MPI_BYTE,
 				      MPI_COMM_WORLD);
-			for (size_t p = 0; p < poff[W]; p++) {
+			if (sum)
+				memset(out, 0, (size_t)T * H * sizeof(float));
+			for (size_t p = 0; p < (sum ? off[W] : poff[W]); p++) {
 				const uint16_t *src = (const uint16_t *)(cr + p * crow);
-				float *dst = out + (size_t)hp[p] * H;
+				float *dst = out + (size_t)(sum ? ht[p] : hp[p]) * H;
 
 				for (uint32_t k = 0; k < H; k++) {
 					union {
 						uint32_t u;
 						float f;
 					} v = {.u = (uint32_t)src[k] << 16};
-					dst[k] = v.f;
+					dst[k] = sum ? dst[k] + v.f : v.f;
 				}
 			}
 			t2 = MPI_Wtime();
@@ -172,6 +180,7 @@ int main(int argc, char **argv)
 		free(cr);
 		free(out);
 		free(hp);
+		free(ht);
 		free(td);
 		free(tc);
 	}
