@@ -433,6 +433,22 @@ static void from_bf16(float *restrict dst, const uint16_t *restrict src, size_t 
 	}
 }
 
+/* acc += w * y and dst += src, vectorized; still one rounding per multiply and per add
+ * (-ffp-contract=off), so the sums are what the scalar loop gives. */
+__attribute__((target_clones("avx2", "default"), optimize("O3")))
+static void axpy(float *restrict acc, float w, const float *restrict y, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		acc[i] = acc[i] + w * y[i];
+}
+
+__attribute__((target_clones("avx2", "default"), optimize("O3")))
+static void add_to(float *restrict dst, const float *restrict src, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		dst[i] = dst[i] + src[i];
+}
+
 /* A token's payload: converted once, then copied to every other destination's row. */
 static void put_row(const struct ro_ep *ep, uint8_t *row, const float *x, const uint8_t *first)
 {
@@ -647,12 +663,8 @@ static int reduce_rows(struct ro_ep *ep, const float *y, uint8_t *send)
 		float *acc = ep->acc;
 
 		memset(acc, 0, H * sizeof(float));
-		for (; p < ep->b.pairs && ep->pair_row[p] == r; p++) {
-			const float wt = ep->pair_w[p], *yp = y + p * H;
-
-			for (uint32_t d = 0; d < H; d++)
-				acc[d] = acc[d] + wt * yp[d];
-		}
+		for (; p < ep->b.pairs && ep->pair_row[p] == r; p++)
+			axpy(acc, ep->pair_w[p], y + p * H, H);
 		if (ep->cesz == 2)
 			to_bf16((uint16_t *)(send + (size_t)r * ep->crow), acc, H);
 		else
@@ -734,8 +746,7 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 					from_bf16(ep->acc, (const uint16_t *)src, H);
 					src = (const uint8_t *)ep->acc;
 				}
-				for (uint32_t k = 0; k < H; k++)
-					dst[k] = dst[k] + ((const float *)src)[k];
+				add_to(dst, (const float *)src, H);
 			} else {
 				float *dst = out + (size_t)ep->hp[ep->hp_off[d] + i] * H;
 
