@@ -162,19 +162,25 @@ int ro_ep_connect(struct ro_ep *ep, const void *const *cards, const size_t *lens
  * fills the dispatching call's out[tokens][top_k][hidden]. */
 struct ro_ep_batch {
 	uint32_t rows;
-	const float *const *x;	  /* [rows] -> hidden floats */
+	const float *const *x;	  /* [rows] -> hidden floats; bf16: NULL until ro_ep_decode */
 	const uint32_t *row_src;  /* [rows] source rank */
 	size_t pairs;
 	const uint32_t *pair_row; /* [pairs] */
 	const int32_t *pair_expert;
 	const float *pair_w;	    /* [pairs] routing weight (combine_sum only) */
-	const float *const *pair_x; /* [pairs] -> that pair's row */
+	const float *const *pair_x; /* [pairs] -> that pair's row (as x) */
 };
 void ro_ep_set_mode(struct ro_ep *ep, enum ro_ep_mode mode); /* LOW_LATENCY or THROUGHPUT */
-/* w: [tokens][top_k] routing weights, needed with combine_sum (else may be NULL). With
- * combine_sum, combine fills out[tokens][hidden] with the weighted sums instead. */
+/* w: [tokens][top_k] routing weights. With them, combine fills out[tokens][hidden] with
+ * each token's weighted sum: exact combine adds its (token, expert) outputs at home in
+ * expert order, bitwise as the single-rank forward; combine_sum adds the per-rank sums in
+ * rank order. Without them (exact combine only), out[tokens][top_k][hidden] receives each
+ * output unweighted. */
 int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32_t *ids,
 		   const float *w, uint32_t tokens, const struct ro_ep_batch **ret);
+/* bf16 dispatch: decode the received rows to float for CPU experts (a GPU expert reads
+ * the bf16 rows as they arrived). Not part of dispatch's time; a no-op for f32. */
+int ro_ep_decode(struct ro_ep *ep);
 float *ro_ep_combine_buffer(struct ro_ep *ep);
 int ro_ep_combine(struct ro_ep *ep, float *out);
 
@@ -182,6 +188,7 @@ int ro_ep_combine(struct ro_ep *ep, float *out);
 struct ro_ep_stats {
 	uint64_t exchanges, ll_exchanges, dispatch_bytes, combine_bytes, syncs;
 	double dispatch_ms, combine_ms, sync_ms;
+	double pack_ms, decode_ms; /* of dispatch_ms: layout and packing; not in it: decode */
 };
 void ro_ep_stats(const struct ro_ep *ep, struct ro_ep_stats *ret);
 

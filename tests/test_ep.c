@@ -239,6 +239,8 @@ static void exchange_rounds(const struct group *g, uint32_t rank)
 					die("rank %u %s %s: dispatch: %s", rank,
 					    mode ? "throughput" : "low-latency", routing_name[rt],
 					    ro_ep_errmsg(ep));
+				if (ro_ep_decode(ep) || !b->x || !b->pair_x)
+					die("rank %u: decode", rank);
 				/* what arrived: every source's tokens that picked one of our
 				 * experts, in its order, with exactly those experts */
 				for (uint32_t s = 0; s < g->world; s++) {

@@ -67,11 +67,14 @@ struct ro_ep {
 	uint32_t hp_off[MAX_WORLD + 1];
 	uint32_t *hp; /* (token * K + j) of every pair sent, by destination */
 	uint32_t *ht; /* the token of every row sent, by destination */
+	uint32_t *pos; /* exact combine: where (token * K + j)'s output landed */
+	const float *home_w; /* the routing weights of this exchange's tokens, or NULL */
 	bool sum;     /* combine_sum */
 	uint32_t cnt[MAX_WORLD][MAX_WORLD][2];
 	/* owner side */
 	uint32_t from_rows[MAX_WORLD], from_pairs[MAX_WORLD];
 	const float **xptr, **pair_x;
+	const void **raw; /* each received row's payload, as it came */
 	uint32_t *row_src, *pair_row;
 	int32_t *pair_expert;
 	float *pair_w, *xdec, *ybuf, *acc;
@@ -135,9 +138,11 @@ struct ro_ep *ro_ep_free(struct ro_ep *ep)
 	(void)ro_fab_close(ep->f);
 	free(ep->hp);
 	free(ep->ht);
+	free(ep->pos);
 	free(ep->pair_w);
 	free(ep->acc);
 	free(ep->xptr);
+	free(ep->raw);
 	free(ep->pair_x);
 	free(ep->row_src);
 	free(ep->pair_row);
@@ -206,13 +211,15 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 	ep->send_len = ep->s_comb + align64(ep->scomb_pairs * ep->H * 4);
 	ep->hp = malloc((size_t)ep->cap * ep->K * sizeof(*ep->hp));
 	ep->ht = malloc((size_t)ep->cap * ep->W * sizeof(*ep->ht));
+	ep->pos = malloc((size_t)ep->cap * ep->K * sizeof(*ep->pos));
 	ep->pair_w = malloc(ep->scomb_pairs * sizeof(*ep->pair_w));
 	ep->xptr = malloc(ep->dcap_rows * sizeof(*ep->xptr));
+	ep->raw = malloc(ep->dcap_rows * sizeof(*ep->raw));
 	ep->row_src = malloc(ep->dcap_rows * sizeof(*ep->row_src));
 	ep->pair_x = malloc(ep->scomb_pairs * sizeof(*ep->pair_x));
 	ep->pair_row = malloc(ep->scomb_pairs * sizeof(*ep->pair_row));
 	ep->pair_expert = malloc(ep->scomb_pairs * sizeof(*ep->pair_expert));
-	if (!ep->hp || !ep->ht || !ep->pair_w || !ep->xptr || !ep->row_src || !ep->pair_x ||
+	if (!ep->hp || !ep->ht || !ep->pos || !ep->pair_w || !ep->xptr || !ep->raw || !ep->row_src || !ep->pair_x ||
 	    !ep->pair_row || !ep->pair_expert) {
 		r = ro_errf(err, errlen, -ENOMEM, "out of memory");
 		goto fail;
@@ -411,7 +418,7 @@ static int send_all(struct ro_ep *ep, enum kind k, uint32_t layer, size_t soff, 
 
 /* bf16 conversions, branch-free so the compiler vectorizes them (AVX2 where the CPU has
  * it): round to nearest even, NaN stays NaN, as ro_f32_to_bf16. */
-__attribute__((target_clones("avx2", "default"), optimize("O3")))
+__attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off")))
 static void to_bf16(uint16_t *restrict dst, const float *restrict src, size_t n)
 {
 	for (size_t i = 0; i < n; i++) {
@@ -423,7 +430,7 @@ static void to_bf16(uint16_t *restrict dst, const float *restrict src, size_t n)
 	}
 }
 
-__attribute__((target_clones("avx2", "default"), optimize("O3")))
+__attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off")))
 static void from_bf16(float *restrict dst, const uint16_t *restrict src, size_t n)
 {
 	for (size_t i = 0; i < n; i++) {
@@ -435,14 +442,26 @@ static void from_bf16(float *restrict dst, const uint16_t *restrict src, size_t 
 
 /* acc += w * y and dst += src, vectorized; still one rounding per multiply and per add
  * (-ffp-contract=off), so the sums are what the scalar loop gives. */
-__attribute__((target_clones("avx2", "default"), optimize("O3")))
+__attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off")))
 static void axpy(float *restrict acc, float w, const float *restrict y, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
 		acc[i] = acc[i] + w * y[i];
 }
 
-__attribute__((target_clones("avx2", "default"), optimize("O3")))
+__attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off")))
+static void axpy_bf16(float *restrict acc, float w, const uint16_t *restrict y, size_t n)
+{
+	for (size_t i = 0; i < n; i++) {
+		uint32_t u = (uint32_t)y[i] << 16;
+		float f;
+
+		memcpy(&f, &u, 4);
+		acc[i] = acc[i] + w * f;
+	}
+}
+
+__attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off")))
 static void add_to(float *restrict dst, const float *restrict src, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
@@ -530,6 +549,8 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 	}
 	ep->T = tokens;
 	ep->layer = layer;
+	ep->home_w = w;
+	ep->st.pack_ms += mono_msf() - t0;
 	if (!ll) {
 		/* throughput: every rank learns every rank's counts, then offsets are exact */
 		uint32_t *mine = (uint32_t *)((uint8_t *)ro_fab_send(ep->f) + ep->s_cnt);
@@ -593,19 +614,9 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 				const int16_t *meta = (const int16_t *)row;
 				const float *xr = (const float *)(row + ep->dmeta);
 
-				if (ep->desz == 2) {
-					float *dst;
-
-					if (!ep->xdec) {
-						ep->xdec = malloc(ep->dcap_rows * ep->H * sizeof(float));
-						if (!ep->xdec)
-							return broken(ep, -ENOMEM);
-					}
-					dst = ep->xdec + rows * ep->H;
-					from_bf16(dst, (const uint16_t *)xr, ep->H);
-					xr = dst;
-				}
-				ep->xptr[rows] = xr;
+				/* f32 rows are read in place; bf16 ones when ro_ep_decode asks */
+				ep->raw[rows] = row + ep->dmeta;
+				ep->xptr[rows] = ep->desz == 4 ? xr : NULL;
 				ep->row_src[rows] = s;
 				for (uint32_t k = 0; k < K && meta[k] >= 0; k++) {
 					if ((uint32_t)meta[k] >= ep->E || (uint32_t)meta[k] % W != me ||
@@ -618,7 +629,7 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 					ep->pair_expert[pairs] = meta[k];
 					if (ep->sum)
 						memcpy(&ep->pair_w[pairs], row + K * 2 + k * 4, 4);
-					ep->pair_x[pairs] = xr;
+					ep->pair_x[pairs] = ep->desz == 4 ? xr : NULL;
 					pairs++;
 					ep->from_pairs[s]++;
 				}
@@ -627,15 +638,36 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 		}
 		consumed(ep, K_DISP);
 	}
-	ep->b = (struct ro_ep_batch){.rows = (uint32_t)rows, .x = ep->xptr, .row_src = ep->row_src,
+	ep->b = (struct ro_ep_batch){.rows = (uint32_t)rows,
+				     .x = ep->desz == 4 ? ep->xptr : NULL, .row_src = ep->row_src,
 				     .pairs = pairs, .pair_row = ep->pair_row,
 				     .pair_expert = ep->pair_expert, .pair_w = ep->pair_w,
-				     .pair_x = ep->pair_x};
+				     .pair_x = ep->desz == 4 ? ep->pair_x : NULL};
 	*ret = &ep->b;
 	ep->st.exchanges++;
 	ep->st.ll_exchanges += ll;
 	ep->st.dispatch_bytes += (uint64_t)ep->to_off[W] * ep->H * ep->desz;
 	ep->st.dispatch_ms += mono_msf() - t0;
+	return 0;
+}
+
+int ro_ep_decode(struct ro_ep *ep)
+{
+	double t0 = mono_msf();
+
+	if (ep->desz == 4 || ep->b.x)
+		return 0;
+	if (!ep->xdec && !(ep->xdec = malloc(ep->dcap_rows * ep->H * sizeof(float))))
+		return -ENOMEM;
+	for (uint32_t r = 0; r < ep->b.rows; r++) {
+		from_bf16(ep->xdec + (size_t)r * ep->H, ep->raw[r], ep->H);
+		ep->xptr[r] = ep->xdec + (size_t)r * ep->H;
+	}
+	for (size_t p = 0; p < ep->b.pairs; p++)
+		ep->pair_x[p] = ep->xptr[ep->pair_row[p]];
+	ep->b.x = ep->xptr;
+	ep->b.pair_x = ep->pair_x;
+	ep->st.decode_ms += mono_msf() - t0;
 	return 0;
 }
 
@@ -722,7 +754,7 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 	r = wait_all(ep, K_COMB, layer);
 	if (r)
 		return r;
-	if (ep->sum)
+	if (ep->sum || ep->home_w)
 		memset(out, 0, (size_t)ep->T * H * sizeof(float));
 	/* back home, in rank order (sum) or to each (token, j) place (exact): either way the
 	 * result does not depend on the order things arrived in */
@@ -747,6 +779,8 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 					src = (const uint8_t *)ep->acc;
 				}
 				add_to(dst, (const float *)src, H);
+			} else if (ep->home_w) {
+				ep->pos[ep->hp[ep->hp_off[d] + i]] = (uint32_t)(base + i);
 			} else {
 				float *dst = out + (size_t)ep->hp[ep->hp_off[d] + i] * H;
 
@@ -754,6 +788,25 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 					memcpy(dst, src, H * sizeof(float));
 				else
 					from_bf16(dst, (const uint16_t *)src, H);
+			}
+		}
+	}
+	if (!ep->sum && ep->home_w) {
+		/* each token's outputs weighted and summed in expert order, the additions
+		 * the single-rank forward makes, in its order: bitwise its result */
+		const uint8_t *comb = region + ep->off_comb;
+
+		for (uint32_t t = 0; t < ep->T; t++) {
+			float *acc = out + (size_t)t * H;
+
+			for (uint32_t j = 0; j < ep->K; j++) {
+				const size_t tj = (size_t)t * ep->K + j;
+				const uint8_t *src = comb + (size_t)ep->pos[tj] * ep->crow;
+
+				if (ep->cesz == 4)
+					axpy(acc, ep->home_w[tj], (const float *)src, H);
+				else
+					axpy_bf16(acc, ep->home_w[tj], (const uint16_t *)src, H);
 			}
 		}
 	}
@@ -844,12 +897,12 @@ static int exchange(void *ctx, uint32_t layer, const float *x, const int32_t *id
 				   n ? ids + (size_t)start * top_k : ids,
 				   n ? w + (size_t)start * top_k : w, n, &b);
 		if (!r)
+			r = ro_ep_decode(ep);
+		if (!r)
 			r = ro_model_experts(ep->m, layer, b->pair_x, b->pair_expert, b->pairs,
 					     ro_ep_combine_buffer(ep));
 		if (!r)
-			r = ro_ep_combine(ep, n ? out + (size_t)start *
-							      (ep->sum ? 1 : top_k) * hidden
-						: out);
+			r = ro_ep_combine(ep, n ? out + (size_t)start * hidden : out);
 		if (r)
 			return broken(ep, r);
 	}
@@ -859,7 +912,7 @@ static int exchange(void *ctx, uint32_t layer, const float *x, const int32_t *id
 void ro_ep_attach(struct ro_ep *ep, struct ro_model *m)
 {
 	struct ro_moe_exchange x = {.ctx = ep, .rank = ep->me, .world = ep->W,
-				    .exchange = exchange, .summed = ep->sum};
+				    .exchange = exchange, .summed = true};
 
 	ep->m = m;
 	ro_model_set_exchange(m, &x);

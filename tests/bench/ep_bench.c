@@ -7,9 +7,11 @@
  *   dense          every token to every rank over the same libfabric endpoints
  *   8 KB round     one 8 KB message from every rank to every rank (the latency floor)
  *   memcpy         one core's copy bandwidth (the ceiling of a shared-memory transfer)
- * Times are the slowest rank's median; GB/s counts logical bytes as DeepEP does: rows this
+ * Times are the slowest rank's median ("pack": the part of dispatch spent on the layout and
+ * the bf16 packing, the mean over ranks); GB/s counts logical bytes as DeepEP does: rows this
  * rank sends x hidden x 2 bytes (dispatch), (token, expert) outputs it returns (combine).
- *   ep_bench [--quick]      (--quick: fewer iterations, W = 2 only) */
+ *   ep_bench [--quick] [--only low-latency|throughput] [--prov shm|tcp] [--iters N]
+ *   (--quick: fewer iterations, W = 2 only) */
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
@@ -30,7 +32,7 @@ struct cfg {
 };
 
 struct res {
-	double d_us, c_us, d_bytes, c_bytes;
+	double d_us, c_us, d_bytes, c_bytes, pack_us;
 };
 
 #define NRES 4
@@ -148,6 +150,7 @@ static struct res measure(struct ro_ep *ep, const float *x, const int32_t *ids, 
 	r.c_us = tc[iters / 2];
 	r.d_bytes = (double)(s1.dispatch_bytes - s0.dispatch_bytes) / iters;
 	r.c_bytes = (double)(s1.combine_bytes - s0.combine_bytes) / iters;
+	r.pack_us = (s1.pack_ms - s0.pack_ms) * 1e3 / iters;
 	free(td);
 	free(tc);
 	free(out);
@@ -228,6 +231,7 @@ static int run(const char *prov, const struct cfg *c, uint32_t W, struct res agg
 				agg[k].d_us = one[k].d_us;
 			if (one[k].c_us > agg[k].c_us)
 				agg[k].c_us = one[k].c_us;
+			agg[k].pack_us += one[k].pack_us / W;
 			agg[k].d_bytes += one[k].d_bytes / W;
 			agg[k].c_bytes += one[k].c_bytes / W;
 		}
@@ -290,7 +294,25 @@ static double memcpy_gbs(void)
 
 int main(int argc, char **argv)
 {
-	bool quick = argc > 1 && !strcmp(argv[1], "--quick");
+	bool quick = false;
+	const char *only = NULL, *prov_only = NULL;
+	uint32_t iters = 0;
+
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--quick"))
+			quick = true;
+		else if (!strcmp(argv[i], "--only") && i + 1 < argc)
+			only = argv[++i];
+		else if (!strcmp(argv[i], "--prov") && i + 1 < argc)
+			prov_only = argv[++i];
+		else if (!strcmp(argv[i], "--iters") && i + 1 < argc)
+			iters = (uint32_t)atoi(argv[++i]);
+		else {
+			fprintf(stderr, "usage: ep_bench [--quick] [--only low-latency|throughput] "
+					"[--prov shm|tcp] [--iters N]\n");
+			return 2;
+		}
+	}
 	struct cfg cfgs[] = {
 	    {"low-latency", RO_EP_LOW_LATENCY, 7168, 8, 256, 128, quick ? 10 : 50},
 	    {"throughput", RO_EP_THROUGHPUT, 2048, 8, 64, 4096, quick ? 3 : 8},
@@ -313,10 +335,14 @@ int main(int argc, char **argv)
 	printf("ep_bench: memcpy ceiling %.1f GB/s (one core), %ld CPUs, MPI baseline %s\n", mem,
 	       sysconf(_SC_NPROCESSORS_ONLN),
 	       access(mpi_bin, X_OK) ? "not built (scripts/deps --bench; make bench)" : mpi_bin);
-	printf("%-11s %-5s %-4s %-2s | %8s %6s %8s %6s | %9s %9s | %6s %7s | %s\n", "mode",
-	       "comb", "prov", "W", "disp us", "GB/s", "comb us", "GB/s", "mpi d+c", "dense d+c",
-	       "x mpi", "x dense", "goal");
+	printf("%-11s %-5s %-4s %-2s | %8s %6s %6s %8s %6s | %9s %9s | %6s %7s | %s\n", "mode",
+	       "comb", "prov", "W", "disp us", "pack", "GB/s", "comb us", "GB/s", "mpi d+c",
+	       "dense d+c", "x mpi", "x dense", "goal");
 	for (size_t ci = 0; ci < 2; ci++) {
+		if (only && strcmp(only, cfgs[ci].mode_name))
+			continue;
+		if (iters)
+			cfgs[ci].iters = iters;
 		for (uint32_t W = 2; W <= (quick ? 2u : 4u); W += 2) {
 			double md[2] = {0}, mc[2] = {0};
 			bool have_mpi[2];
@@ -326,6 +352,8 @@ int main(int argc, char **argv)
 			for (size_t pi = 0; pi < 2; pi++) {
 				struct res a[NRES];
 
+				if (prov_only && strcmp(prov_only, provs[pi]))
+					continue;
 				if (run(provs[pi], &cfgs[ci], W, a)) {
 					printf("%-11s %-5s %-4s %-2u | failed\n", cfgs[ci].mode_name,
 					       "", provs[pi], W);
@@ -335,9 +363,9 @@ int main(int argc, char **argv)
 					const struct res *o = &a[sum];
 					double ours = o->d_us + o->c_us;
 
-					printf("%-11s %-5s %-4s %-2u | %8.0f %6.2f %8.0f %6.2f | ",
+					printf("%-11s %-5s %-4s %-2u | %8.0f %6.0f %6.2f %8.0f %6.2f | ",
 					       cfgs[ci].mode_name, sum ? "sum" : "exact", provs[pi], W,
-					       o->d_us, o->d_bytes / o->d_us / 1e3, o->c_us,
+					       o->d_us, o->pack_us, o->d_bytes / o->d_us / 1e3, o->c_us,
 					       o->c_bytes / o->c_us / 1e3);
 					if (have_mpi[sum])
 						printf("%9.0f ", md[sum] + mc[sum]);

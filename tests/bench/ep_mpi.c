@@ -3,7 +3,8 @@
  * same packed rows ([K int16 expert ids | bf16 hidden]) and the same bytes as rolloutd's
  * throughput mode. Run by ep_bench under mpirun; prints one line from rank 0:
  *   mpi dispatch_us D combine_us C   (the slowest rank's median)
- * With a 6th argument "sum", combine returns one row per (token, rank), as combine_sum. */
+ * Combine ends, as rolloutd's, with each token's weighted sum. With a 6th argument "sum",
+ * combine returns one row per (token, rank), as combine_sum. Compiled -O3 (vectorized). */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -57,9 +58,12 @@ int main(int argc, char **argv)
 		uint8_t *sbuf = malloc((size_t)T * (W < (int)K ? W : (int)K) * drow);
 		uint8_t *rbuf = malloc((size_t)W * T * drow);
 		uint8_t *cs = malloc((size_t)W * T * K * crow), *cr = malloc((size_t)T * K * crow);
-		float *out = malloc((size_t)T * K * H * sizeof(float));
+		float *out = malloc((size_t)T * H * sizeof(float));
 		uint32_t *hp = malloc((size_t)T * K * sizeof(uint32_t));
 		uint32_t *ht = malloc((size_t)T * W * sizeof(uint32_t));
+		uint32_t *pos = malloc((size_t)T * K * sizeof(uint32_t));
+		float *y = malloc((size_t)W * T * K * H * sizeof(float)), *acc = malloc(H * 4);
+		const float wk = 1.0f / (float)K;
 		int *scnt = calloc(W, sizeof(int)), *sdsp = calloc(W, sizeof(int)),
 		    *rcnt = calloc(W, sizeof(int)), *rdsp = calloc(W, sizeof(int)),
 		    *cnt2 = calloc(2 * W, sizeof(int)), *rcnt2 = calloc(2 * W, sizeof(int)),
@@ -141,21 +145,50 @@ int main(int argc, char **argv)
 				crcnt[s] = (int)((sum ? rows[s] : pairs[s]) * crow);
 				crdsp[s] = (int)((sum ? off[s] : poff[s]) * crow);
 			}
-			memset(cs, 0, ptot * crow);
+			/* the experts' f32 outputs to bf16 rows, as rolloutd: one per (row,
+			 * expert), or with sum the weighted sum of each row's experts */
+			{
+				size_t p = 0;
+
+				for (size_t r = 0; r < rtot; r++) {
+					const int16_t *m = (const int16_t *)(rbuf + r * drow);
+					uint16_t *c = (uint16_t *)(cs + (sum ? r : p) * crow);
+
+					if (sum) {
+						memset(acc, 0, H * sizeof(float));
+						for (uint32_t k = 0; k < K && m[k] >= 0; k++, p++)
+							for (uint32_t d = 0; d < H; d++)
+								acc[d] = acc[d] + wk * y[p * H + d];
+						for (uint32_t d = 0; d < H; d++)
+							c[d] = bf16(acc[d]);
+					} else {
+						for (uint32_t k = 0; k < K && m[k] >= 0; k++, p++) {
+							c = (uint16_t *)(cs + p * crow);
+							for (uint32_t d = 0; d < H; d++)
+								c[d] = bf16(y[p * H + d]);
+						}
+					}
+				}
+			}
 			MPI_Alltoallv(cs, cscnt, csdsp, MPI_BYTE, cr, crcnt, crdsp, MPI_BYTE,
 				      MPI_COMM_WORLD);
-			if (sum)
-				memset(out, 0, (size_t)T * H * sizeof(float));
-			for (size_t p = 0; p < (sum ? off[W] : poff[W]); p++) {
-				const uint16_t *src = (const uint16_t *)(cr + p * crow);
-				float *dst = out + (size_t)(sum ? ht[p] : hp[p]) * H;
+			/* the output rolloutd's combine gives: each token's weighted sum */
+			memset(out, 0, (size_t)T * H * sizeof(float));
+			if (!sum)
+				for (size_t p = 0; p < poff[W]; p++)
+					pos[hp[p]] = (uint32_t)p;
+			for (size_t p = 0; p < (sum ? off[W] : (size_t)T * K); p++) {
+				const uint16_t *src =
+				    (const uint16_t *)(cr + (sum ? p : pos[p]) * crow);
+				float *dst = out + (size_t)(sum ? ht[p] : p / K) * H;
+				const float wt = sum ? 1.0f : 1.0f / (float)K;
 
 				for (uint32_t k = 0; k < H; k++) {
 					union {
 						uint32_t u;
 						float f;
 					} v = {.u = (uint32_t)src[k] << 16};
-					dst[k] = sum ? dst[k] + v.f : v.f;
+					dst[k] = dst[k] + wt * v.f;
 				}
 			}
 			t2 = MPI_Wtime();
@@ -181,6 +214,9 @@ int main(int argc, char **argv)
 		free(out);
 		free(hp);
 		free(ht);
+		free(pos);
+		free(y);
+		free(acc);
 		free(td);
 		free(tc);
 	}
