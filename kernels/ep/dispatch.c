@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "kernels/ep/internal.h"
 #include "kernels/internal.h"
@@ -59,6 +60,7 @@ struct ro_ep {
 	struct arrival arr[4][2][MAX_WORLD];
 	uint32_t seq[4];
 	bool broken;
+	unsigned spin; /* idle polls before yielding */
 	enum ro_ep_mode mode; /* of the current exchange */
 	uint32_t passes, fwd_calls, layer;
 	/* home side of the current exchange */
@@ -191,6 +193,7 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 	ep->desz = o->dispatch_dtype == RO_EP_BF16 ? 2 : 4;
 	ep->cesz = o->combine_dtype == RO_EP_BF16 ? 2 : 4;
 	ep->sum = o->combine_sum;
+	ep->spin = sysconf(_SC_NPROCESSORS_ONLN) >= (long)o->world ? 256 : 1;
 	/* meta: the K expert ids (int16, -1 padded), then with combine_sum their K weights */
 	ep->dmeta = (ep->K * 2 + (ep->sum ? ep->K * 4 : 0) + 15) & ~(size_t)15;
 	ep->drow = ep->dmeta + ((ep->H * ep->desz + 15) & ~(size_t)15);
@@ -337,11 +340,13 @@ static bool complete(const struct ro_ep *ep, enum kind k, uint32_t par)
 }
 
 /* Wait until every rank's message of this kind (current parity) is in, and every write we
- * posted has completed locally. Spins, then yields, then naps: ranks may outnumber cores. */
+ * posted has completed locally. Spins (not when ranks outnumber cores: the peer we wait for
+ * may need this core), yields while things move, naps after 5 ms of silence. */
 static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 {
 	const uint32_t par = ep->seq[k] & 1;
 	const int64_t deadline = mono_ms() + (ep->o.timeout_ms ? ep->o.timeout_ms : 10000);
+	int64_t last = mono_ms();
 	unsigned idle = 0;
 
 	for (;;) {
@@ -353,9 +358,10 @@ static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 			break;
 		if (r > 0) {
 			idle = 0;
+			last = mono_ms();
 			continue;
 		}
-		if (++idle < 256)
+		if (++idle < ep->spin)
 			continue;
 		if (mono_ms() > deadline) {
 			char late[160] = "";
@@ -373,10 +379,10 @@ static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 					       "%u ms",
 					       ep->me, late, kind_name[k], layer, ep->o.timeout_ms));
 		}
-		if (idle < 2048)
+		if (mono_ms() - last < 5) {
 			sched_yield();
-		else {
-			struct timespec ts = {0, 50000};
+		} else {
+			struct timespec ts = {0, 20000};
 
 			nanosleep(&ts, NULL);
 		}
@@ -418,7 +424,7 @@ static int send_all(struct ro_ep *ep, enum kind k, uint32_t layer, size_t soff, 
 
 /* bf16 conversions, branch-free so the compiler vectorizes them (AVX2 where the CPU has
  * it): round to nearest even, NaN stays NaN, as ro_f32_to_bf16. */
-__attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off")))
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
 static void to_bf16(uint16_t *restrict dst, const float *restrict src, size_t n)
 {
 	for (size_t i = 0; i < n; i++) {
@@ -430,7 +436,7 @@ static void to_bf16(uint16_t *restrict dst, const float *restrict src, size_t n)
 	}
 }
 
-__attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off")))
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
 static void from_bf16(float *restrict dst, const uint16_t *restrict src, size_t n)
 {
 	for (size_t i = 0; i < n; i++) {
@@ -442,14 +448,14 @@ static void from_bf16(float *restrict dst, const uint16_t *restrict src, size_t 
 
 /* acc += w * y and dst += src, vectorized; still one rounding per multiply and per add
  * (-ffp-contract=off), so the sums are what the scalar loop gives. */
-__attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off")))
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
 static void axpy(float *restrict acc, float w, const float *restrict y, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
 		acc[i] = acc[i] + w * y[i];
 }
 
-__attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off")))
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
 static void axpy_bf16(float *restrict acc, float w, const uint16_t *restrict y, size_t n)
 {
 	for (size_t i = 0; i < n; i++) {
@@ -461,7 +467,7 @@ static void axpy_bf16(float *restrict acc, float w, const uint16_t *restrict y, 
 	}
 }
 
-__attribute__((target_clones("avx2", "default"), optimize("O3", "fp-contract=off")))
+__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
 static void add_to(float *restrict dst, const float *restrict src, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
