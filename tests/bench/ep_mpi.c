@@ -4,7 +4,8 @@
  * throughput mode. Run by ep_bench under mpirun; prints one line from rank 0:
  *   mpi dispatch_us D combine_us C   (the slowest rank's median)
  * Combine ends, as rolloutd's, with each token's weighted sum. With a 6th argument "sum",
- * combine returns one row per (token, rank), as combine_sum. Compiled -O3 (vectorized). */
+ * combine returns one row per (token, rank), as combine_sum; with "dup", a token goes once
+ * per selected expert (the generic permute + all-to-all). Compiled -O3 (vectorized). */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,18 +50,21 @@ int main(int argc, char **argv)
 	T = (uint32_t)atoi(argv[4]);
 	iters = (uint32_t)atoi(argv[5]);
 	const int sum = argc == 7 && !strcmp(argv[6], "sum");
+	/* "dup": the generic way (Megatron's all-to-all token dispatcher): a token goes once
+	 * per selected expert, not once per rank */
+	const int dup = argc == 7 && !strcmp(argv[6], "dup");
 	meta = (K * 2 + 15) & ~(size_t)15;
 	drow = meta + ((H * 2 + 15) & ~(size_t)15);
 	crow = (size_t)H * 2;
 	{
 		float *x = malloc((size_t)T * H * sizeof(float));
 		int32_t *ids = malloc((size_t)T * K * sizeof(int32_t));
-		uint8_t *sbuf = malloc((size_t)T * (W < (int)K ? W : (int)K) * drow);
-		uint8_t *rbuf = malloc((size_t)W * T * drow);
+		uint8_t *sbuf = malloc((size_t)T * K * drow);
+		uint8_t *rbuf = malloc((size_t)W * T * K * drow);
 		uint8_t *cs = malloc((size_t)W * T * K * crow), *cr = malloc((size_t)T * K * crow);
 		float *out = malloc((size_t)T * H * sizeof(float));
 		uint32_t *hp = malloc((size_t)T * K * sizeof(uint32_t));
-		uint32_t *ht = malloc((size_t)T * W * sizeof(uint32_t));
+		uint32_t *ht = malloc((size_t)T * K * sizeof(uint32_t));
 		uint32_t *pos = malloc((size_t)T * K * sizeof(uint32_t));
 		float *y = malloc((size_t)W * T * K * H * sizeof(float)), *acc = malloc(H * 4);
 		const float wk = 1.0f / (float)K;
@@ -92,6 +96,8 @@ int main(int argc, char **argv)
 				}
 				for (int d = 0; d < W; d++)
 					rows[d] += (m >> d) & 1;
+				if (dup)
+					memcpy(rows, pairs, sizeof(rows));
 			}
 			for (int d = 0; d < W; d++) {
 				off[d + 1] = off[d] + rows[d];
@@ -106,7 +112,7 @@ int main(int argc, char **argv)
 					int32_t e = ids[t * K + j];
 					int d = e % W;
 
-					if (!((st >> d) & 1)) {
+					if (dup || !((st >> d) & 1)) {
 						st |= 1ull << d;
 						ht[off[d] + cur[d]] = t;
 						row[d] = sbuf + (size_t)(off[d] + cur[d]++) * drow;
