@@ -69,6 +69,7 @@ struct ro_agent {
 	bool ep_failed;	 /* the group broke: requeue everything, exit non-zero */
 	bool group_busy; /* some rank ran a forward in the last round */
 	bool group_done; /* every rank drained and holds nothing */
+	bool local_group; /* a rank forked by --ep-local-ranks */
 };
 
 /* worker.c */

@@ -96,7 +96,7 @@ static const struct setting table[] = {
     {"ep-local-ranks", T_U32, F(ep_local_ranks), "0", 0, 64, NULL,
      "run this many ranks of one group on this host (children of this process)"},
     {"fabric-provider", T_STR, F(fabric_provider), "auto", 0, 0, NULL,
-     "libfabric provider: efa | tcp | shm | ... ; auto: the best available"},
+     "libfabric provider: efa | tcp | shm | ...; auto: shm for local ranks, else efa, else the first"},
     {"ep-timeout-ms", T_U32, F(ep_timeout_ms), "30000", 100, 3600000, NULL,
      "a rank silent this long fails the group (keep above the longest prefill)"},
     {"ep-max-tokens", T_U32, F(ep_max_tokens), "2048", 1, 65536, NULL,

@@ -381,6 +381,7 @@ static int run_local_ranks(struct ro_agent *a)
 			a->cfg.ep_rank = i;
 			a->cfg.ep_size = n;
 			a->cfg.ep_local_ranks = 0;
+			a->local_group = true;
 			if (i > 0) {
 				char *cs = with_suffix(a->cfg.control_socket, i),
 				     *mf = with_suffix(a->cfg.metrics_file, i);
@@ -460,7 +461,20 @@ static int ep_setup(struct ro_agent *a)
 	o.dispatch_dtype = (enum ro_ep_dtype)a->cfg.ep_dtype;
 	o.combine_dtype = (enum ro_ep_dtype)a->cfg.ep_combine_dtype;
 	o.timeout_ms = a->cfg.ep_timeout_ms;
-	r = ro_ep_new(&o, &a->ep, err, sizeof(err));
+	if (strcmp(a->cfg.fabric_provider, "auto")) {
+		r = ro_ep_new(&o, &a->ep, err, sizeof(err));
+	} else {
+		/* auto: shared memory for ranks on one host, EFA across hosts, else whatever
+		 * libfabric ranks first */
+		const char *try[] = {a->local_group ? "shm" : "efa", NULL};
+
+		for (size_t i = 0; i < 2; i++) {
+			o.provider = try[i];
+			r = ro_ep_new(&o, &a->ep, err, sizeof(err));
+			if (!r)
+				break;
+		}
+	}
 	if (r)
 		return ro_log_errno(r, "expert parallelism: %s", err);
 	r = ro_ep_card(a->ep, card, &len);

@@ -318,7 +318,8 @@ static void sample_from(struct ro_model *m, const int32_t *prompt, uint32_t plen
 	uint64_t key = ro_sample_key("u-resume");
 
 	memcpy(all, prompt, plen * sizeof(*all));
-	memcpy(all + plen, prefix, k * sizeof(*all));
+	if (k)
+		memcpy(all + plen, prefix, k * sizeof(*all));
 	cr_assert_eq(ro_seq_new(m, 128, &s), 0);
 	{
 		struct ro_fwd_item it = {s, all, plen + k, l, false};

@@ -760,7 +760,7 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 	r = wait_all(ep, K_COMB, layer);
 	if (r)
 		return r;
-	if (ep->sum || ep->home_w)
+	if ((ep->sum || ep->home_w) && ep->T)
 		memset(out, 0, (size_t)ep->T * H * sizeof(float));
 	/* back home, in rank order (sum) or to each (token, j) place (exact): either way the
 	 * result does not depend on the order things arrived in */
