@@ -59,8 +59,8 @@ static void die(const char *fmt, ...)
 }
 
 /* This rank's endpoint, connected to the group through Redis. */
-static struct ro_ep *join(const struct group *g, uint32_t rank, uint32_t max_tokens,
-			  uint32_t ll, uint32_t hidden, uint32_t top_k, uint32_t experts)
+static struct ro_ep *join(const struct group *g, uint32_t rank, uint32_t max_tokens, uint32_t ll,
+			  uint32_t hidden, uint32_t top_k, uint32_t experts)
 {
 	struct ro_queue_opts qo = {.url = ro_test_redis_url(), .queue = "ep-test"};
 	struct ro_ep_opts o;
@@ -131,8 +131,8 @@ static void run_group(struct group *g, void (*fn)(const struct group *, uint32_t
 			if (time(NULL) - t0 > 150) {
 				for (uint32_t k = 0; k < g->world; k++)
 					(void)kill(pid[k], SIGKILL);
-				cr_assert_fail("%s W=%u: rank %u still running after 150 s", g->provider,
-					       g->world, r);
+				cr_assert_fail("%s W=%u: rank %u still running after 150 s",
+					       g->provider, g->world, r);
 			}
 			usleep(10000);
 		}
@@ -170,7 +170,8 @@ static void routing(enum routing rt, uint32_t rank, uint32_t round, uint32_t wor
 	for (uint32_t t = 0; t < T; t++) {
 		int32_t *row = ids + (size_t)t * K;
 		uint32_t n = 0;
-		uint64_t s = mix(((uint64_t)rank << 40) ^ ((uint64_t)round << 20) ^ t ^ (uint64_t)rt << 56);
+		uint64_t s =
+		    mix(((uint64_t)rank << 40) ^ ((uint64_t)round << 20) ^ t ^ (uint64_t)rt << 56);
 
 		if (rt == HOT)
 			row[n++] = 5;
@@ -255,21 +256,27 @@ static void exchange_rounds(const struct group *g, uint32_t rank)
 						if (!mine)
 							continue;
 						if (row >= b->rows || b->row_src[row] != s)
-							die("rank %u: row %u should come from rank %u",
+							die("rank %u: row %u should come from rank "
+							    "%u",
 							    rank, row, s);
 						for (uint32_t d = 0; d < H; d++)
 							if (b->x[row][d] != xval(s, round, t, d))
-								die("rank %u %s: row %u (rank %u token "
+								die("rank %u %s: row %u (rank %u "
+								    "token "
 								    "%u) element %u is %g, want %g",
-								    rank, routing_name[rt], row, s, t, d,
-								    b->x[row][d], xval(s, round, t, d));
+								    rank, routing_name[rt], row, s,
+								    t, d, b->x[row][d],
+								    xval(s, round, t, d));
 						for (uint32_t j = 0; j < K; j++) {
 							if (sids[t * K + j] % g->world != rank)
 								continue;
-							if (pair >= b->pairs || b->pair_row[pair] != row ||
-							    b->pair_expert[pair] != sids[t * K + j] ||
+							if (pair >= b->pairs ||
+							    b->pair_row[pair] != row ||
+							    b->pair_expert[pair] !=
+								sids[t * K + j] ||
 							    b->pair_x[pair] != b->x[row])
-								die("rank %u: pair %zu wrong", rank, pair);
+								die("rank %u: pair %zu wrong", rank,
+								    pair);
 							pair++;
 						}
 						row++;
@@ -296,32 +303,42 @@ static void exchange_rounds(const struct group *g, uint32_t rank)
 							float part = 0;
 
 							for (uint32_t j = 0; j < K; j++)
-								if ((uint32_t)ids[t * K + j] % g->world == o)
-									part = part + w[t * K + j] *
-										   expert_fn(x[t * H + d],
-											     ids[t * K + j],
-											     bf16);
+								if ((uint32_t)ids[t * K + j] %
+									g->world ==
+								    o)
+									part =
+									    part +
+									    w[t * K + j] *
+										expert_fn(
+										    x[t * H + d],
+										    ids[t * K + j],
+										    bf16);
 							want = want + part;
 						}
 						if (memcmp(&got, &want, sizeof(got)))
-							die("rank %u %s: token %u element %u: sum %g, "
+							die("rank %u %s: token %u element %u: sum "
+							    "%g, "
 							    "want %g",
-							    rank, routing_name[rt], t, d, got, want);
+							    rank, routing_name[rt], t, d, got,
+							    want);
 					}
 				for (uint32_t t = 0; !g->sum && t < T; t++)
 					for (uint32_t j = 0; j < K; j++)
 						for (uint32_t d = 0; d < H; d++) {
-							float want = expert_fn(x[t * H + d],
-									       ids[t * K + j], bf16);
-							float got = out[((size_t)t * K + j) * H + d];
+							float want = expert_fn(
+							    x[t * H + d], ids[t * K + j], bf16);
+							float got =
+							    out[((size_t)t * K + j) * H + d];
 
 							if (memcmp(&got, &want, sizeof(got)))
-								die("rank %u %s %s: token %u expert %d "
+								die("rank %u %s %s: token %u "
+								    "expert %d "
 								    "element %u: %g, want %g",
 								    rank,
-								    mode ? "throughput" : "low-latency",
-								    routing_name[rt], t, ids[t * K + j], d,
-								    got, want);
+								    mode ? "throughput"
+									 : "low-latency",
+								    routing_name[rt], t,
+								    ids[t * K + j], d, got, want);
 						}
 			}
 		}
@@ -424,8 +441,8 @@ static void dead_rank(const char *provider)
 			cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
 		else
 			cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0,
-				  "%s: rank %u did not report the dead rank (status %d)", provider, r,
-				  st);
+				  "%s: rank %u did not report the dead rank (status %d)", provider,
+				  r, st);
 	}
 }
 
@@ -517,13 +534,16 @@ static void forward_equal(const struct group *g, uint32_t rank)
 			if (ro_model_forward(ref, ir, k))
 				die("rank %u: reference forward failed", rank);
 			if (ro_ep_forward(ep, ie, k, NULL))
-				die("rank %u step %u: ep forward: %s", rank, step, ro_ep_errmsg(ep));
+				die("rank %u step %u: ep forward: %s", rank, step,
+				    ro_ep_errmsg(ep));
 			for (uint32_t i = 0; i < n; i++) {
 				uint32_t best = 0;
 
 				for (uint32_t v = 0; g->sum && v < c->vocab; v++)
-					if (fabsf(lr[i][v] - le[i][v]) > 1e-4f * (1 + fabsf(lr[i][v])))
-						die("rank %u step %u seq %u: combine_sum logit %u is "
+					if (fabsf(lr[i][v] - le[i][v]) >
+					    1e-4f * (1 + fabsf(lr[i][v])))
+						die("rank %u step %u seq %u: combine_sum logit %u "
+						    "is "
 						    "%g, single rank %g",
 						    rank, step, i, v, le[i][v], lr[i][v]);
 				if (!g->sum && memcmp(lr[i], le[i], c->vocab * sizeof(float)))

@@ -60,18 +60,18 @@ struct ro_ep {
 	struct arrival arr[4][2][MAX_WORLD];
 	uint32_t seq[4];
 	bool broken;
-	unsigned spin; /* idle polls before yielding */
+	unsigned spin;	      /* idle polls before yielding */
 	enum ro_ep_mode mode; /* of the current exchange */
 	uint32_t passes, fwd_calls, layer;
 	/* home side of the current exchange */
 	uint32_t T;
 	uint32_t to_rows[MAX_WORLD], to_pairs[MAX_WORLD], to_off[MAX_WORLD + 1];
 	uint32_t hp_off[MAX_WORLD + 1];
-	uint32_t *hp; /* (token * K + j) of every pair sent, by destination */
-	uint32_t *ht; /* the token of every row sent, by destination */
-	uint32_t *pos; /* exact combine: where (token * K + j)'s output landed */
+	uint32_t *hp;	     /* (token * K + j) of every pair sent, by destination */
+	uint32_t *ht;	     /* the token of every row sent, by destination */
+	uint32_t *pos;	     /* exact combine: where (token * K + j)'s output landed */
 	const float *home_w; /* the routing weights of this exchange's tokens, or NULL */
-	bool sum;     /* combine_sum */
+	bool sum;	     /* combine_sum */
 	uint32_t cnt[MAX_WORLD][MAX_WORLD][2];
 	/* owner side */
 	uint32_t from_rows[MAX_WORLD], from_pairs[MAX_WORLD];
@@ -86,7 +86,8 @@ struct ro_ep {
 	struct ro_ep_stats st;
 };
 
-static int fail(struct ro_ep *ep, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int fail(struct ro_ep *ep, int r, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 static int fail(struct ro_ep *ep, int r, const char *fmt, ...)
 {
 	va_list ap;
@@ -127,8 +128,11 @@ static size_t align64(size_t n)
 
 void ro_ep_opts_default(struct ro_ep_opts *o)
 {
-	*o = (struct ro_ep_opts){.world = 1, .max_tokens = 1024, .ll_tokens = 128,
-				 .mode = RO_EP_AUTO, .timeout_ms = 10000};
+	*o = (struct ro_ep_opts){.world = 1,
+				 .max_tokens = 1024,
+				 .ll_tokens = 128,
+				 .mode = RO_EP_AUTO,
+				 .timeout_ms = 10000};
 }
 
 struct ro_ep *ro_ep_free(struct ro_ep *ep)
@@ -165,8 +169,8 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 	if (!o->world || o->world > MAX_WORLD || o->rank >= o->world)
 		return ro_errf(err, errlen, -EINVAL, "ep: rank %u of world %u (1..%u ranks)",
 			       o->rank, o->world, MAX_WORLD);
-	if (!o->hidden || !o->top_k || !o->experts || o->top_k > o->experts ||
-	    o->experts > 32767 || o->experts < o->world)
+	if (!o->hidden || !o->top_k || !o->experts || o->top_k > o->experts || o->experts > 32767 ||
+	    o->experts < o->world)
 		return ro_errf(err, errlen, -EINVAL,
 			       "ep: hidden %u, top_k %u, experts %u do not fit %u ranks", o->hidden,
 			       o->top_k, o->experts, o->world);
@@ -210,7 +214,8 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 	ep->s_ctl = 0;
 	ep->s_cnt = CTL_BYTES;
 	ep->s_disp = align64(ep->s_cnt + (size_t)ep->W * 8);
-	ep->s_comb = ep->s_disp + align64((size_t)ep->cap * (ep->W < ep->K ? ep->W : ep->K) * ep->drow);
+	ep->s_comb =
+	    ep->s_disp + align64((size_t)ep->cap * (ep->W < ep->K ? ep->W : ep->K) * ep->drow);
 	ep->send_len = ep->s_comb + align64(ep->scomb_pairs * ep->H * 4);
 	ep->hp = malloc((size_t)ep->cap * ep->K * sizeof(*ep->hp));
 	ep->ht = malloc((size_t)ep->cap * ep->W * sizeof(*ep->ht));
@@ -222,8 +227,8 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 	ep->pair_x = malloc(ep->scomb_pairs * sizeof(*ep->pair_x));
 	ep->pair_row = malloc(ep->scomb_pairs * sizeof(*ep->pair_row));
 	ep->pair_expert = malloc(ep->scomb_pairs * sizeof(*ep->pair_expert));
-	if (!ep->hp || !ep->ht || !ep->pos || !ep->pair_w || !ep->xptr || !ep->raw || !ep->row_src || !ep->pair_x ||
-	    !ep->pair_row || !ep->pair_expert) {
+	if (!ep->hp || !ep->ht || !ep->pos || !ep->pair_w || !ep->xptr || !ep->raw ||
+	    !ep->row_src || !ep->pair_x || !ep->pair_row || !ep->pair_expert) {
 		r = ro_errf(err, errlen, -ENOMEM, "out of memory");
 		goto fail;
 	}
@@ -374,10 +379,11 @@ static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 							      o ? "," : "", s);
 			if (!o)
 				(void)snprintf(late, sizeof(late), "(own writes unfinished)");
-			return broken(ep, fail(ep, -ETIMEDOUT,
-					       "ep rank %u: rank %s late: no %s for layer %u after "
-					       "%u ms",
-					       ep->me, late, kind_name[k], layer, ep->o.timeout_ms));
+			return broken(ep,
+				      fail(ep, -ETIMEDOUT,
+					   "ep rank %u: rank %s late: no %s for layer %u after "
+					   "%u ms",
+					   ep->me, late, kind_name[k], layer, ep->o.timeout_ms));
 		}
 		if (mono_ms() - last < 5) {
 			sched_yield();
@@ -389,11 +395,12 @@ static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 	}
 	for (uint32_t s = 0; s < ep->W; s++)
 		if ((k == K_DISP || k == K_COMB) && ep->arr[k][par][s].layer != (layer & 31))
-			return broken(ep, fail(ep, -EPROTO,
-					       "ep rank %u: rank %u sent %s for layer %u, we are at "
-					       "layer %u: the group is out of step",
-					       ep->me, s, kind_name[k], ep->arr[k][par][s].layer,
-					       layer & 31));
+			return broken(ep,
+				      fail(ep, -EPROTO,
+					   "ep rank %u: rank %u sent %s for layer %u, we are at "
+					   "layer %u: the group is out of step",
+					   ep->me, s, kind_name[k], ep->arr[k][par][s].layer,
+					   layer & 31));
 	return 0;
 }
 
@@ -424,20 +431,23 @@ static int send_all(struct ro_ep *ep, enum kind k, uint32_t layer, size_t soff, 
 
 /* bf16 conversions, branch-free so the compiler vectorizes them (AVX2 where the CPU has
  * it): round to nearest even, NaN stays NaN, as ro_f32_to_bf16. */
-__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
-static void to_bf16(uint16_t *restrict dst, const float *restrict src, size_t n)
+__attribute__((target_clones("avx512f", "avx2", "default"),
+	       optimize("O3", "fp-contract=off"))) static void
+to_bf16(uint16_t *restrict dst, const float *restrict src, size_t n)
 {
 	for (size_t i = 0; i < n; i++) {
 		uint32_t u;
 
 		memcpy(&u, &src[i], 4);
-		dst[i] = (uint16_t)((u & 0x7fffffff) > 0x7f800000 ? (u >> 16) | 0x40
-								    : (u + 0x7fff + ((u >> 16) & 1)) >> 16);
+		dst[i] = (uint16_t)((u & 0x7fffffff) > 0x7f800000
+					? (u >> 16) | 0x40
+					: (u + 0x7fff + ((u >> 16) & 1)) >> 16);
 	}
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
-static void from_bf16(float *restrict dst, const uint16_t *restrict src, size_t n)
+__attribute__((target_clones("avx512f", "avx2", "default"),
+	       optimize("O3", "fp-contract=off"))) static void
+from_bf16(float *restrict dst, const uint16_t *restrict src, size_t n)
 {
 	for (size_t i = 0; i < n; i++) {
 		uint32_t u = (uint32_t)src[i] << 16;
@@ -448,15 +458,17 @@ static void from_bf16(float *restrict dst, const uint16_t *restrict src, size_t 
 
 /* acc += w * y and dst += src, vectorized; still one rounding per multiply and per add
  * (-ffp-contract=off), so the sums are what the scalar loop gives. */
-__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
-static void axpy(float *restrict acc, float w, const float *restrict y, size_t n)
+__attribute__((target_clones("avx512f", "avx2", "default"),
+	       optimize("O3", "fp-contract=off"))) static void
+axpy(float *restrict acc, float w, const float *restrict y, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
 		acc[i] = acc[i] + w * y[i];
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
-static void axpy_bf16(float *restrict acc, float w, const uint16_t *restrict y, size_t n)
+__attribute__((target_clones("avx512f", "avx2", "default"),
+	       optimize("O3", "fp-contract=off"))) static void
+axpy_bf16(float *restrict acc, float w, const uint16_t *restrict y, size_t n)
 {
 	for (size_t i = 0; i < n; i++) {
 		uint32_t u = (uint32_t)y[i] << 16;
@@ -467,8 +479,9 @@ static void axpy_bf16(float *restrict acc, float w, const uint16_t *restrict y, 
 	}
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default"), optimize("O3", "fp-contract=off")))
-static void add_to(float *restrict dst, const float *restrict src, size_t n)
+__attribute__((target_clones("avx512f", "avx2", "default"),
+	       optimize("O3", "fp-contract=off"))) static void
+add_to(float *restrict dst, const float *restrict src, size_t n)
 {
 	for (size_t i = 0; i < n; i++)
 		dst[i] = dst[i] + src[i];
@@ -573,8 +586,8 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 		if (r)
 			return r;
 		for (uint32_t s = 0; s < W; s++)
-			memcpy(ep->cnt[s],
-			       region + ep->off_cnt + ((size_t)par * W + s) * W * 8, (size_t)W * 8);
+			memcpy(ep->cnt[s], region + ep->off_cnt + ((size_t)par * W + s) * W * 8,
+			       (size_t)W * 8);
 		consumed(ep, K_CNT);
 	}
 	{
@@ -616,7 +629,8 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 			ep->from_rows[s] = a->n;
 			ep->from_pairs[s] = 0;
 			for (uint32_t i = 0; i < a->n; i++) {
-				const uint8_t *row = region + ep->off_disp + (size_t)(base + i) * ep->drow;
+				const uint8_t *row =
+				    region + ep->off_disp + (size_t)(base + i) * ep->drow;
 				const int16_t *meta = (const int16_t *)row;
 				const float *xr = (const float *)(row + ep->dmeta);
 
@@ -625,7 +639,8 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 				ep->xptr[rows] = ep->desz == 4 ? xr : NULL;
 				ep->row_src[rows] = s;
 				for (uint32_t k = 0; k < K && meta[k] >= 0; k++) {
-					if ((uint32_t)meta[k] >= ep->E || (uint32_t)meta[k] % W != me ||
+					if ((uint32_t)meta[k] >= ep->E ||
+					    (uint32_t)meta[k] % W != me ||
 					    ep->from_pairs[s] >= ep->Kl * a->n)
 						return broken(ep, fail(ep, -EPROTO,
 								       "ep: rank %u sent a row for "
@@ -645,9 +660,12 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 		consumed(ep, K_DISP);
 	}
 	ep->b = (struct ro_ep_batch){.rows = (uint32_t)rows,
-				     .x = ep->desz == 4 ? ep->xptr : NULL, .row_src = ep->row_src,
-				     .pairs = pairs, .pair_row = ep->pair_row,
-				     .pair_expert = ep->pair_expert, .pair_w = ep->pair_w,
+				     .x = ep->desz == 4 ? ep->xptr : NULL,
+				     .row_src = ep->row_src,
+				     .pairs = pairs,
+				     .pair_row = ep->pair_row,
+				     .pair_expert = ep->pair_expert,
+				     .pair_w = ep->pair_w,
 				     .pair_x = ep->desz == 4 ? ep->pair_x : NULL};
 	*ret = &ep->b;
 	ep->st.exchanges++;
@@ -752,7 +770,8 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 				base += ep->cnt[s][d][ep->sum ? 0 : 1];
 		r = ro_fab_write(ep->f, s, ep->s_comb + off * ep->crow, (size_t)from[s] * ep->crow,
 				 ep->off_comb + base * ep->crow,
-				 cq_data(K_COMB, par, me, layer, from[s]), ep->err, sizeof(ep->err));
+				 cq_data(K_COMB, par, me, layer, from[s]), ep->err,
+				 sizeof(ep->err));
 		if (r)
 			return broken(ep, r);
 		sent += from[s];
@@ -767,8 +786,8 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 	for (uint32_t d = 0; d < W; d++) {
 		const struct arrival *a = &ep->arr[K_COMB][par][d];
 		const uint32_t want = ep->sum ? ep->to_rows[d] : ep->to_pairs[d];
-		size_t base = ll ? (size_t)d * ep->ll * ep->Kl
-				 : (ep->sum ? ep->to_off[d] : ep->hp_off[d]);
+		size_t base =
+		    ll ? (size_t)d * ep->ll * ep->Kl : (ep->sum ? ep->to_off[d] : ep->hp_off[d]);
 
 		if (a->n != want)
 			return broken(ep, fail(ep, -EPROTO,
@@ -879,8 +898,8 @@ static void take_group(struct ro_ep *ep, const struct ctl_rec *all)
 		ep->passes = max_t ? (max_t + ep->cap - 1) / ep->cap : 1;
 }
 
-static int exchange(void *ctx, uint32_t layer, const float *x, const int32_t *ids,
-		    const float *w, uint32_t tokens, uint32_t top_k, uint32_t hidden, float *out)
+static int exchange(void *ctx, uint32_t layer, const float *x, const int32_t *ids, const float *w,
+		    uint32_t tokens, uint32_t top_k, uint32_t hidden, float *out)
 {
 	struct ro_ep *ep = ctx;
 	const uint32_t cap = ep->mode == RO_EP_LOW_LATENCY ? ep->ll : ep->cap;
@@ -917,8 +936,8 @@ static int exchange(void *ctx, uint32_t layer, const float *x, const int32_t *id
 
 void ro_ep_attach(struct ro_ep *ep, struct ro_model *m)
 {
-	struct ro_moe_exchange x = {.ctx = ep, .rank = ep->me, .world = ep->W,
-				    .exchange = exchange, .summed = true};
+	struct ro_moe_exchange x = {
+	    .ctx = ep, .rank = ep->me, .world = ep->W, .exchange = exchange, .summed = true};
 
 	ep->m = m;
 	ro_model_set_exchange(m, &x);
@@ -927,7 +946,8 @@ void ro_ep_attach(struct ro_ep *ep, struct ro_model *m)
 int ro_ep_forward(struct ro_ep *ep, struct ro_fwd_item *items, size_t count,
 		  const struct ro_ep_note *mine)
 {
-	struct ctl_rec rec = {.op = OP_FWD, .draining = mine && mine->draining,
+	struct ctl_rec rec = {.op = OP_FWD,
+			      .draining = mine && mine->draining,
 			      .deadline_ms = mine ? mine->deadline_ms : 0};
 	struct ctl_rec all[MAX_WORLD];
 	int r;
@@ -953,7 +973,8 @@ int ro_ep_forward(struct ro_ep *ep, struct ro_fwd_item *items, size_t count,
 
 int ro_ep_round_end(struct ro_ep *ep, const struct ro_ep_note *mine, struct ro_ep_group *ret)
 {
-	struct ctl_rec rec = {.op = OP_DONE, .draining = mine && mine->draining,
+	struct ctl_rec rec = {.op = OP_DONE,
+			      .draining = mine && mine->draining,
 			      .done = mine && mine->done,
 			      .deadline_ms = mine ? mine->deadline_ms : 0};
 	struct ctl_rec all[MAX_WORLD];

@@ -79,8 +79,8 @@ static int fierr(ssize_t r)
 
 static void *map_zeroed(size_t len)
 {
-	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-		       -1, 0);
+	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE,
+		       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
 
 	return p == MAP_FAILED ? NULL : p;
 }
@@ -143,8 +143,8 @@ static struct fi_info *make_hints(const char *provider)
 int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct ro_fab **ret,
 		char *err, size_t errlen)
 {
-	struct fi_cq_attr cqa = {.format = FI_CQ_FORMAT_DATA, .size = 4096,
-				 .wait_obj = FI_WAIT_NONE};
+	struct fi_cq_attr cqa = {
+	    .format = FI_CQ_FORMAT_DATA, .size = 4096, .wait_obj = FI_WAIT_NONE};
 	struct fi_av_attr ava = {.type = FI_AV_TABLE};
 	struct fi_info *hints = make_hints(provider), *info = NULL;
 	struct ro_fab *f = NULL;
@@ -283,8 +283,7 @@ int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *
 			return errf(err, errlen, -EPROTO, "rank %u's card has %zu bytes, want %zu",
 				    i, lens[i], sizeof(c));
 		memcpy(&c, cards[i], sizeof(c));
-		if (c.magic != CARD_MAGIC || c.name_len > sizeof(c.name) ||
-		    c.len != f->region_len)
+		if (c.magic != CARD_MAGIC || c.name_len > sizeof(c.name) || c.len != f->region_len)
 			return errf(err, errlen, -EPROTO,
 				    "rank %u's card does not match (another build or other sizes: "
 				    "region %llu bytes, ours %zu)",
@@ -343,8 +342,7 @@ static int stash(struct ro_fab *f, uint32_t data)
 
 /* Read what the CQ holds: local completions free their context; arrivals go to on_data
  * (or, with on_data NULL, to the stash for the next ro_fab_poll). */
-static int drain_cq(struct ro_fab *f, ro_fab_data_fn on_data, void *arg, char *err,
-		    size_t errlen)
+static int drain_cq(struct ro_fab *f, ro_fab_data_fn on_data, void *arg, char *err, size_t errlen)
 {
 	struct fi_cq_data_entry ent[32];
 	int handled = 0;
@@ -412,8 +410,8 @@ static int post(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t
 			c = &f->ctx[f->free_ctx];
 			c->peer = peer;
 			r = fi_writedata(f->ep, (char *)f->send + soff, len, f->sdesc, data,
-					 f->peer[peer], f->peer_base[peer] + roff, f->peer_key[peer],
-					 c);
+					 f->peer[peer], f->peer_base[peer] + roff,
+					 f->peer_key[peer], c);
 			if (!r) {
 				f->free_ctx = c->next_free;
 				f->pending++;

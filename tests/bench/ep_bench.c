@@ -198,7 +198,8 @@ static void rank_main(const char *prov, const struct cfg *c, uint32_t rank, uint
 		/* decode at batch 1: one token per rank, the routed exchange with combine_sum */
 		epb_routing(rank, 1, c->K, c->E, ids);
 		(void)snprintf(tag, sizeof(tag), "%s-%u-one", prov, W);
-		ep = join(prov, tag, rank, W, H, c->K, c->E, 1, RO_EP_BF16, RO_EP_LOW_LATENCY, true);
+		ep =
+		    join(prov, tag, rank, W, H, c->K, c->E, 1, RO_EP_BF16, RO_EP_LOW_LATENCY, true);
 		out[4] = measure(ep, x, ids, w, 1, H, c->iters * 2);
 		(void)ro_ep_free(ep);
 	}
@@ -266,11 +267,12 @@ static bool run_mpi(const struct cfg *c, uint32_t W, const char *variant, double
 
 	if (!self || !*self || access(self, X_OK))
 		return false;
-	(void)snprintf(cmd, sizeof(cmd),
-		       "mpirun --allow-run-as-root --oversubscribe -np %u --bind-to none "
-		       "--mca btl self,vader --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo "
-		       "%s %u %u %u %u %u %s 2>/dev/null",
-		       W, self, c->H, c->K, c->E, c->T, c->iters, variant);
+	(void)snprintf(
+	    cmd, sizeof(cmd),
+	    "mpirun --allow-run-as-root --oversubscribe -np %u --bind-to none "
+	    "--mca btl self,vader --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo "
+	    "%s %u %u %u %u %u %s 2>/dev/null",
+	    W, self, c->H, c->K, c->E, c->T, c->iters, variant);
 	p = popen(cmd, "r");
 	if (!p)
 		return false;
@@ -344,9 +346,9 @@ int main(int argc, char **argv)
 	printf("ep_bench: memcpy ceiling %.1f GB/s (one core), %ld CPUs, MPI baseline %s\n", mem,
 	       sysconf(_SC_NPROCESSORS_ONLN),
 	       access(mpi_bin, X_OK) ? "not built (scripts/deps --bench; make bench)" : mpi_bin);
-	printf("%-11s %-5s %-4s %-2s | %8s %6s %6s %8s %6s | %13s %9s | %6s %7s %7s | %s\n",
-	       "mode", "comb", "prov", "W", "disp us", "pack", "GB/s", "comb us", "GB/s",
-	       "mpi disp/comb", "dense d+c", "x mpi", "x mpi-k", "x dense", "goal");
+	printf("%-11s %-5s %-4s %-2s | %8s %6s %6s %8s %6s | %13s %9s | %6s %7s %7s | %s\n", "mode",
+	       "comb", "prov", "W", "disp us", "pack", "GB/s", "comb us", "GB/s", "mpi disp/comb",
+	       "dense d+c", "x mpi", "x mpi-k", "x dense", "goal");
 	for (size_t ci = 0; ci < 2; ci++) {
 		if (only && strcmp(only, cfgs[ci].mode_name))
 			continue;
@@ -358,7 +360,10 @@ int main(int argc, char **argv)
 
 			/* MPI: the same rows as exact, as sum, and the generic per-expert copies */
 			for (int v = 0; v < 3; v++)
-				have_mpi[v] = run_mpi(&cfgs[ci], W, v == 0 ? "" : v == 1 ? "sum" : "dup",
+				have_mpi[v] = run_mpi(&cfgs[ci], W,
+						      v == 0   ? ""
+						      : v == 1 ? "sum"
+							       : "dup",
 						      &md[v], &mc[v]);
 			for (size_t pi = 0; pi < 2; pi++) {
 				struct res a[NRES];
@@ -366,18 +371,19 @@ int main(int argc, char **argv)
 				if (prov_only && strcmp(prov_only, provs[pi]))
 					continue;
 				if (run(provs[pi], &cfgs[ci], W, a)) {
-					printf("%-11s %-5s %-4s %-2u | failed\n", cfgs[ci].mode_name,
-					       "", provs[pi], W);
+					printf("%-11s %-5s %-4s %-2u | failed\n",
+					       cfgs[ci].mode_name, "", provs[pi], W);
 					continue;
 				}
 				for (int sum = 0; sum < 2; sum++) {
 					const struct res *o = &a[sum];
 					double ours = o->d_us + o->c_us;
 
-					printf("%-11s %-5s %-4s %-2u | %8.0f %6.0f %6.2f %8.0f %6.2f | ",
-					       cfgs[ci].mode_name, sum ? "sum" : "exact", provs[pi], W,
-					       o->d_us, o->pack_us, o->d_bytes / o->d_us / 1e3, o->c_us,
-					       o->c_bytes / o->c_us / 1e3);
+					printf("%-11s %-5s %-4s %-2u | %8.0f %6.0f %6.2f %8.0f "
+					       "%6.2f | ",
+					       cfgs[ci].mode_name, sum ? "sum" : "exact", provs[pi],
+					       W, o->d_us, o->pack_us, o->d_bytes / o->d_us / 1e3,
+					       o->c_us, o->c_bytes / o->c_us / 1e3);
 					if (have_mpi[sum])
 						printf("%6.0f/%6.0f ", md[sum], mc[sum]);
 					else
@@ -393,11 +399,13 @@ int main(int argc, char **argv)
 						printf("%7s ", "n/a");
 					printf("%7.2f | ", (a[2].d_us + a[2].c_us) / ours);
 					if (cfgs[ci].mode == RO_EP_THROUGHPUT)
-						printf("dispatch %.0f%% of memcpy (>= 50%% on shm), x mpi "
+						printf("dispatch %.0f%% of memcpy (>= 50%% on "
+						       "shm), x mpi "
 						       ">= 1.5\n",
 						       o->d_bytes / o->d_us / 1e3 / mem * 100);
 					else
-						printf("8 KB round %.0f us; d+c at 1 token/rank %.0f us "
+						printf("8 KB round %.0f us; d+c at 1 token/rank "
+						       "%.0f us "
 						       "= %.1f x (< 2)\n",
 						       a[3].d_us, a[4].d_us + a[4].c_us,
 						       (a[4].d_us + a[4].c_us) / a[3].d_us);
