@@ -19,6 +19,7 @@
 
 #include "kernels/model.h"
 #include "queue/queue.h"
+#include "tests/bench/ep_routing.h"
 #include "tests/redis_fixture.h"
 #include "tests/redis_hooks.h"
 
@@ -149,10 +150,7 @@ static const char *const routing_name[] = {"uniform", "hot expert", "all to rank
 
 static uint64_t mix(uint64_t x)
 {
-	x += 0x9e3779b97f4a7c15ull;
-	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-	return x ^ (x >> 31);
+	return epb_mix(x);
 }
 
 static uint32_t tokens_of(enum routing rt, uint32_t rank, uint32_t round, uint32_t cap)
@@ -187,13 +185,7 @@ static void routing(enum routing rt, uint32_t rank, uint32_t round, uint32_t wor
 			if (!dup)
 				row[n++] = e;
 		}
-		for (uint32_t j = 1; j < K; j++)
-			for (uint32_t i = j; i > 0 && row[i - 1] > row[i]; i--) {
-				int32_t tmp = row[i];
-
-				row[i] = row[i - 1];
-				row[i - 1] = tmp;
-			}
+		epb_sort_ids(row, K);
 	}
 }
 

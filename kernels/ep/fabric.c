@@ -18,6 +18,7 @@
 #include <rdma/fi_rma.h>
 
 #include "kernels/ep/internal.h"
+#include "kernels/internal.h"
 
 #define CARD_MAGIC 0x524f4550u /* "ROEP" */
 #define MAX_CHUNK (4u << 20)
@@ -56,20 +57,6 @@ struct ro_fab {
 	size_t stash_n, stash_cap;
 	char prov[64];
 };
-
-static int errf(char *err, size_t errlen, int r, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int errf(char *err, size_t errlen, int r, const char *fmt, ...)
-{
-	va_list ap;
-
-	if (err && errlen) {
-		va_start(ap, fmt);
-		(void)vsnprintf(err, errlen, fmt, ap);
-		va_end(ap);
-	}
-	return r;
-}
 
 /* libfabric returns -FI_E* (errno values) or positive from some calls; keep -errno. */
 static int fierr(ssize_t r)
@@ -152,24 +139,24 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct
 
 	*ret = NULL;
 	if (!hints)
-		return errf(err, errlen, -ENOMEM, "out of memory");
+		return ro_errf(err, errlen, -ENOMEM, "out of memory");
 	r = fi_getinfo(FI_VERSION(1, 11), NULL, NULL, 0, hints, &info);
 	fi_freeinfo(hints);
 	if (r || !info)
-		return errf(err, errlen, r ? fierr(r) : -ENODEV,
+		return ro_errf(err, errlen, r ? fierr(r) : -ENODEV,
 			    "no libfabric provider %s offers RDM with RMA and remote CQ data: %s",
 			    provider && *provider ? provider : "(any)",
 			    r ? fi_strerror(-r) : "none found");
 	f = calloc(1, sizeof(*f));
 	if (!f) {
 		fi_freeinfo(info);
-		return errf(err, errlen, -ENOMEM, "out of memory");
+		return ro_errf(err, errlen, -ENOMEM, "out of memory");
 	}
 	/* the first (best) match only */
 	f->info = fi_dupinfo(info);
 	fi_freeinfo(info);
 	if (!f->info) {
-		r = errf(err, errlen, -ENOMEM, "out of memory");
+		r = ro_errf(err, errlen, -ENOMEM, "out of memory");
 		goto fail;
 	}
 	(void)snprintf(f->prov, sizeof(f->prov), "%s", f->info->fabric_attr->prov_name);
@@ -184,7 +171,7 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct
 	if (!f->region || !f->send) {
 		f->region = f->region ? (munmap(f->region, f->region_len), NULL) : NULL;
 		f->send = f->send ? (munmap(f->send, f->send_len), NULL) : NULL;
-		r = errf(err, errlen, -ENOMEM, "cannot map %zu + %zu bytes", region_len, send_len);
+		r = ro_errf(err, errlen, -ENOMEM, "cannot map %zu + %zu bytes", region_len, send_len);
 		goto fail;
 	}
 	for (int i = 0; i < N_CTX; i++)
@@ -192,11 +179,11 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct
 	f->free_ctx = 0;
 	f->timeout_ms = 10000;
 	if ((r = fi_fabric(f->info->fabric_attr, &f->fabric, NULL))) {
-		r = errf(err, errlen, fierr(r), "fi_fabric(%s): %s", f->prov, fi_strerror(-r));
+		r = ro_errf(err, errlen, fierr(r), "fi_fabric(%s): %s", f->prov, fi_strerror(-r));
 		goto fail;
 	}
 	if ((r = fi_domain(f->fabric, f->info, &f->domain, NULL))) {
-		r = errf(err, errlen, fierr(r), "fi_domain(%s): %s", f->prov, fi_strerror(-r));
+		r = ro_errf(err, errlen, fierr(r), "fi_domain(%s): %s", f->prov, fi_strerror(-r));
 		goto fail;
 	}
 	if ((r = fi_av_open(f->domain, &ava, &f->av, NULL)) ||
@@ -204,14 +191,14 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct
 	    (r = fi_endpoint(f->domain, f->info, &f->ep, NULL)) ||
 	    (r = fi_ep_bind(f->ep, &f->av->fid, 0)) ||
 	    (r = fi_ep_bind(f->ep, &f->cq->fid, FI_TRANSMIT | FI_RECV)) || (r = fi_enable(f->ep))) {
-		r = errf(err, errlen, fierr(r), "opening the %s endpoint: %s", f->prov,
+		r = ro_errf(err, errlen, fierr(r), "opening the %s endpoint: %s", f->prov,
 			 fi_strerror(-r));
 		goto fail;
 	}
 	if ((r = fi_mr_reg(f->domain, f->region, f->region_len, FI_REMOTE_WRITE, 0, 0, 0, &f->rmr,
 			   NULL)) ||
 	    (r = fi_mr_reg(f->domain, f->send, f->send_len, FI_WRITE, 0, 1, 0, &f->smr, NULL))) {
-		r = errf(err, errlen, fierr(r), "registering %zu + %zu bytes with %s: %s",
+		r = ro_errf(err, errlen, fierr(r), "registering %zu + %zu bytes with %s: %s",
 			 f->region_len, f->send_len, f->prov, fi_strerror(-r));
 		goto fail;
 	}
@@ -274,23 +261,23 @@ int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *
 	f->peer_base = calloc(world, sizeof(*f->peer_base));
 	f->peer_key = calloc(world, sizeof(*f->peer_key));
 	if (!f->peer || !f->peer_base || !f->peer_key)
-		return errf(err, errlen, -ENOMEM, "out of memory");
+		return ro_errf(err, errlen, -ENOMEM, "out of memory");
 	for (uint32_t i = 0; i < world; i++) {
 		struct card c;
 		int r;
 
 		if (lens[i] != sizeof(c))
-			return errf(err, errlen, -EPROTO, "rank %u's card has %zu bytes, want %zu",
+			return ro_errf(err, errlen, -EPROTO, "rank %u's card has %zu bytes, want %zu",
 				    i, lens[i], sizeof(c));
 		memcpy(&c, cards[i], sizeof(c));
 		if (c.magic != CARD_MAGIC || c.name_len > sizeof(c.name) || c.len != f->region_len)
-			return errf(err, errlen, -EPROTO,
+			return ro_errf(err, errlen, -EPROTO,
 				    "rank %u's card does not match (another build or other sizes: "
 				    "region %llu bytes, ours %zu)",
 				    i, (unsigned long long)c.len, f->region_len);
 		r = fi_av_insert(f->av, c.name, 1, &f->peer[i], 0, NULL);
 		if (r != 1)
-			return errf(err, errlen, r < 0 ? r : -EADDRNOTAVAIL,
+			return ro_errf(err, errlen, r < 0 ? r : -EADDRNOTAVAIL,
 				    "cannot insert rank %u's address: %s", i,
 				    fi_strerror(r < 0 ? -r : FI_EADDRNOTAVAIL));
 		f->peer_base[i] = c.base;
@@ -308,7 +295,7 @@ static int poll_err(struct ro_fab *f, char *err, size_t errlen)
 	int peer = -1;
 
 	if (n < 0)
-		return errf(err, errlen, fierr(n), "fi_cq_readerr: %s", fi_strerror((int)-n));
+		return ro_errf(err, errlen, fierr(n), "fi_cq_readerr: %s", fi_strerror((int)-n));
 	if (e.op_context) {
 		struct tx_ctx *c = e.op_context;
 
@@ -319,9 +306,9 @@ static int poll_err(struct ro_fab *f, char *err, size_t errlen)
 	}
 	pmsg = fi_cq_strerror(f->cq, e.prov_errno, e.err_data, pbuf, sizeof(pbuf));
 	if (peer >= 0)
-		return errf(err, errlen, e.err ? -e.err : -EIO, "write to rank %d failed: %s (%s)",
+		return ro_errf(err, errlen, e.err ? -e.err : -EIO, "write to rank %d failed: %s (%s)",
 			    peer, fi_strerror(e.err), pmsg ? pmsg : "");
-	return errf(err, errlen, e.err ? -e.err : -EIO, "completion error: %s (%s)",
+	return ro_errf(err, errlen, e.err ? -e.err : -EIO, "completion error: %s (%s)",
 		    fi_strerror(e.err), pmsg ? pmsg : "");
 }
 
@@ -355,13 +342,13 @@ static int drain_cq(struct ro_fab *f, ro_fab_data_fn on_data, void *arg, char *e
 		if (n == -FI_EAVAIL)
 			return poll_err(f, err, errlen);
 		if (n < 0)
-			return errf(err, errlen, fierr(n), "fi_cq_read: %s", fi_strerror((int)-n));
+			return ro_errf(err, errlen, fierr(n), "fi_cq_read: %s", fi_strerror((int)-n));
 		for (ssize_t i = 0; i < n; i++) {
 			if (ent[i].flags & FI_REMOTE_CQ_DATA) {
 				if (on_data)
 					on_data(arg, (uint32_t)ent[i].data);
 				else if (stash(f, (uint32_t)ent[i].data))
-					return errf(err, errlen, -ENOMEM, "out of memory");
+					return ro_errf(err, errlen, -ENOMEM, "out of memory");
 			} else if (ent[i].op_context) {
 				struct tx_ctx *c = ent[i].op_context;
 
@@ -418,7 +405,7 @@ static int post(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t
 				return 0;
 			}
 			if (r != -FI_EAGAIN)
-				return errf(err, errlen, fierr(r), "write to rank %u: %s", peer,
+				return ro_errf(err, errlen, fierr(r), "write to rank %u: %s", peer,
 					    fi_strerror((int)-r));
 		}
 		r = drain_cq(f, NULL, NULL, err, errlen);
@@ -427,7 +414,7 @@ static int post(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t
 		if (tries == 0)
 			deadline = mono_ms() + f->timeout_ms;
 		else if (!(tries & 255) && mono_ms() > deadline)
-			return errf(err, errlen, -ETIMEDOUT,
+			return ro_errf(err, errlen, -ETIMEDOUT,
 				    "rank %u late: a write to it not accepted after %u ms", peer,
 				    f->timeout_ms);
 	}
@@ -442,7 +429,7 @@ int ro_fab_write(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_
 		 uint32_t data, char *err, size_t errlen)
 {
 	if (soff + len > f->send_len || roff + len > f->region_len || peer >= f->world)
-		return errf(err, errlen, -EINVAL, "write of %zu bytes to rank %u out of bounds",
+		return ro_errf(err, errlen, -EINVAL, "write of %zu bytes to rank %u out of bounds",
 			    len, peer);
 	if (peer == f->rank) {
 		size_t chunks = len ? (len + f->chunk - 1) / f->chunk : 1;
@@ -450,7 +437,7 @@ int ro_fab_write(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_
 		memcpy((char *)f->region + roff, (char *)f->send + soff, len);
 		for (size_t i = 0; i < chunks; i++)
 			if (stash(f, data))
-				return errf(err, errlen, -ENOMEM, "out of memory");
+				return ro_errf(err, errlen, -ENOMEM, "out of memory");
 		return 0;
 	}
 	if (!len)

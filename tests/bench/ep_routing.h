@@ -1,5 +1,6 @@
 /* The routing and token values both ep_bench and its MPI baseline (ep_mpi) use, so the
- * two move exactly the same exchange: top-k distinct experts per token, uniform. */
+ * two move exactly the same exchange: top-k distinct experts per token, uniform. The EP
+ * tests draw their routings with the same mixer. */
 #pragma once
 
 #include <stdint.h>
@@ -10,6 +11,18 @@ static inline uint64_t epb_mix(uint64_t x)
 	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
 	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
 	return x ^ (x >> 31);
+}
+
+/* Top-k ids sorted ascending, as the model's router gives them. */
+static inline void epb_sort_ids(int32_t *row, uint32_t K)
+{
+	for (uint32_t j = 1; j < K; j++)
+		for (uint32_t i = j; i > 0 && row[i - 1] > row[i]; i--) {
+			int32_t x = row[i];
+
+			row[i] = row[i - 1];
+			row[i - 1] = x;
+		}
 }
 
 static inline void epb_routing(uint32_t rank, uint32_t T, uint32_t K, uint32_t E, int32_t *ids)
@@ -30,12 +43,6 @@ static inline void epb_routing(uint32_t rank, uint32_t T, uint32_t K, uint32_t E
 			if (!dup)
 				row[n++] = e;
 		}
-		for (uint32_t j = 1; j < K; j++)
-			for (uint32_t i = j; i > 0 && row[i - 1] > row[i]; i--) {
-				int32_t x = row[i];
-
-				row[i] = row[i - 1];
-				row[i - 1] = x;
-			}
+		epb_sort_ids(row, K);
 	}
 }
