@@ -909,6 +909,7 @@ Test(agent, ep_rank_killed_fails_fast, .timeout = 240)
 	cr_expect_lt(now_ms() - t0, 15000, "the others noticed within the timeout");
 	cr_expect(log_has(&g, "expert-parallel group failed: .*rank"),
 		  "the error names the late rank");
+	cr_expect(log_has(&g, "requeued u-"), "the surviving ranks requeued what they held");
 	if (!log_has(&g, "expert-parallel group failed"))
 		dump_log(&g);
 	start(&b, "b", q, (const char *const[]){"--imds", "false", "--lease-ms", "3000", NULL},
