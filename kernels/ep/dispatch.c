@@ -141,6 +141,10 @@ struct ro_ep *ro_ep_free(struct ro_ep *ep)
 		return NULL;
 	if (ep->m)
 		ro_model_set_exchange(ep->m, NULL);
+	/* a peer may still be reading our last writes (shm copies from our memory): they
+	 * must complete before this process's memory goes away */
+	if (ep->f && !ep->broken)
+		(void)ro_fab_drain_tx(ep->f, ep->err, sizeof(ep->err));
 	(void)ro_fab_close(ep->f);
 	free(ep->hp);
 	free(ep->ht);
@@ -345,7 +349,7 @@ static bool complete(const struct ro_ep *ep, enum kind k, uint32_t par)
 }
 
 /* Wait until every rank's message of this kind (current parity) is in, and every write we
- * posted has completed locally. Spins (not when ranks outnumber cores: the peer we wait for
+ * Spins (not when ranks outnumber cores: the peer we wait for
  * may need this core), yields while things move, naps after 5 ms of silence. */
 static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 {
@@ -359,7 +363,7 @@ static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 
 		if (r < 0)
 			return broken(ep, r);
-		if (complete(ep, k, par) && (k == K_DISP || !ro_fab_pending(ep->f)))
+		if (complete(ep, k, par))
 			break;
 		if (r > 0) {
 			idle = 0;
@@ -402,6 +406,15 @@ static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 					   ep->me, s, kind_name[k], ep->arr[k][par][s].layer,
 					   layer & 31));
 	return 0;
+}
+
+/* Our earlier writes must have left the send area before we write into it again: checked
+ * at the start of an exchange, not at its end, so the wait overlaps other work. */
+static int drain_tx(struct ro_ep *ep)
+{
+	int r = ro_fab_drain_tx(ep->f, ep->err, sizeof(ep->err));
+
+	return r ? broken(ep, r) : 0;
 }
 
 /* The arrivals are consumed: the next exchange of this kind uses the other parity. */
@@ -506,12 +519,15 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 	uint8_t *send = (uint8_t *)ro_fab_send(ep->f) + ep->s_disp;
 	uint8_t *region = ro_fab_region(ep->f);
 	uint32_t cur[MAX_WORLD] = {0}, pc[MAX_WORLD] = {0};
-	double t0 = mono_msf();
+	double t0 = mono_msf(), t1;
 	size_t rows = 0, pairs = 0;
+	uint8_t *self;
 	int r;
 
 	if (ep->broken)
 		return fail(ep, -EPIPE, "ep rank %u: the group is broken: %s", me, ep->err);
+	if ((r = drain_tx(ep)))
+		return r;
 	if (ep->sum && tokens && !w)
 		return fail(ep, -EINVAL, "ep: combine_sum needs the routing weights");
 	if (tokens > (ll ? ep->ll : ep->cap))
@@ -541,35 +557,6 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 		ep->to_off[d + 1] = ep->to_off[d] + ep->to_rows[d];
 		ep->hp_off[d + 1] = ep->hp_off[d] + ep->to_pairs[d];
 	}
-	/* pack: each token once per destination, with the ids of that rank's experts */
-	for (uint32_t t = 0; t < tokens; t++) {
-		uint8_t *row[MAX_WORLD], *first = NULL;
-		uint32_t nk[MAX_WORLD];
-		uint64_t started = 0;
-
-		for (uint32_t j = 0; j < K; j++) {
-			int32_t e = ids[(size_t)t * K + j];
-			uint32_t d = (uint32_t)e % W;
-
-			if (!((started >> d) & 1)) {
-				started |= 1ull << d;
-				ep->ht[ep->to_off[d] + cur[d]] = t;
-				row[d] = send + (size_t)(ep->to_off[d] + cur[d]++) * ep->drow;
-				memset(row[d], 0xff, ep->dmeta);
-				nk[d] = 0;
-				put_row(ep, row[d], x + (size_t)t * ep->H, first);
-				first = row[d];
-			}
-			if (ep->sum)
-				memcpy(row[d] + K * 2 + nk[d] * 4, &w[(size_t)t * K + j], 4);
-			((int16_t *)row[d])[nk[d]++] = (int16_t)e;
-			ep->hp[ep->hp_off[d] + pc[d]++] = t * K + j;
-		}
-	}
-	ep->T = tokens;
-	ep->layer = layer;
-	ep->home_w = w;
-	ep->st.pack_ms += mono_msf() - t0;
 	if (!ll) {
 		/* throughput: every rank learns every rank's counts, then offsets are exact */
 		uint32_t *mine = (uint32_t *)((uint8_t *)ro_fab_send(ep->f) + ep->s_cnt);
@@ -591,6 +578,48 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 		consumed(ep, K_CNT);
 	}
 	{
+		uint32_t sbase = 0;
+
+		if (ll)
+			sbase = me * ep->ll;
+		else
+			for (uint32_t s = 0; s < me; s++)
+				sbase += ep->cnt[s][me][0];
+		self = region + ep->off_disp + (size_t)sbase * ep->drow;
+	}
+	t1 = mono_msf();
+	/* pack: each token once per destination, with the ids of that rank's experts */
+	for (uint32_t t = 0; t < tokens; t++) {
+		uint8_t *row[MAX_WORLD], *first = NULL;
+		uint32_t nk[MAX_WORLD];
+		uint64_t started = 0;
+
+		for (uint32_t j = 0; j < K; j++) {
+			int32_t e = ids[(size_t)t * K + j];
+			uint32_t d = (uint32_t)e % W;
+
+			if (!((started >> d) & 1)) {
+				started |= 1ull << d;
+				ep->ht[ep->to_off[d] + cur[d]] = t;
+				/* rows for this rank go straight into its own region */
+				row[d] = d == me ? self + (size_t)cur[d]++ * ep->drow
+						 : send + (size_t)(ep->to_off[d] + cur[d]++) * ep->drow;
+				memset(row[d], 0xff, ep->dmeta);
+				nk[d] = 0;
+				put_row(ep, row[d], x + (size_t)t * ep->H, first);
+				first = row[d];
+			}
+			if (ep->sum)
+				memcpy(row[d] + K * 2 + nk[d] * 4, &w[(size_t)t * K + j], 4);
+			((int16_t *)row[d])[nk[d]++] = (int16_t)e;
+			ep->hp[ep->hp_off[d] + pc[d]++] = t * K + j;
+		}
+	}
+	ep->T = tokens;
+	ep->layer = layer;
+	ep->home_w = w;
+	ep->st.pack_ms += mono_msf() - t1;
+	{
 		const uint32_t par = ep->seq[K_DISP] & 1;
 
 		for (uint32_t i = 1; i <= W; i++) {
@@ -601,6 +630,13 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 			else
 				for (uint32_t s = 0; s < me; s++)
 					base += ep->cnt[s][d][0];
+			if (d == me) {
+				r = ro_fab_signal_self(ep->f, (size_t)ep->to_rows[d] * ep->drow,
+						       cq_data(K_DISP, par, me, layer, ep->to_rows[d]));
+				if (r)
+					return broken(ep, r);
+				continue;
+			}
 			r = ro_fab_write(ep->f, d, ep->s_disp + (size_t)ep->to_off[d] * ep->drow,
 					 (size_t)ep->to_rows[d] * ep->drow,
 					 ep->off_disp + (size_t)base * ep->drow,
@@ -737,8 +773,9 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 	const uint8_t *region = ro_fab_region(ep->f);
 	const uint32_t par = ep->seq[K_COMB] & 1;
 	const uint32_t *from = ep->sum ? ep->from_rows : ep->from_pairs;
+	const uint8_t *rbase[MAX_WORLD];
 	double t0 = mono_msf();
-	size_t sent = 0;
+	size_t sent = 0, self_off = 0;
 	int r;
 
 	if (ep->broken)
@@ -763,6 +800,16 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 
 		for (uint32_t s2 = 0; s2 < s; s2++)
 			off += from[s2];
+		if (s == me) {
+			/* ours stay where they are: home reads them from the send area */
+			self_off = off;
+			r = ro_fab_signal_self(ep->f, (size_t)from[s] * ep->crow,
+					       cq_data(K_COMB, par, me, layer, from[s]));
+			if (r)
+				return broken(ep, r);
+			sent += from[s];
+			continue;
+		}
 		if (ll)
 			base = (size_t)me * ep->ll * ep->Kl;
 		else
@@ -793,8 +840,10 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 			return broken(ep, fail(ep, -EPROTO,
 					       "ep: rank %u returned %u results, we sent it %u", d,
 					       a->n, want));
+		rbase[d] = d == me ? send + self_off * ep->crow
+				   : region + ep->off_comb + base * ep->crow;
 		for (uint32_t i = 0; i < a->n; i++) {
-			const uint8_t *src = region + ep->off_comb + (base + i) * ep->crow;
+			const uint8_t *src = rbase[d] + (size_t)i * ep->crow;
 
 			if (ep->sum) {
 				float *dst = out + (size_t)ep->ht[ep->to_off[d] + i] * H;
@@ -805,7 +854,7 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 				}
 				add_to(dst, (const float *)src, H);
 			} else if (ep->home_w) {
-				ep->pos[ep->hp[ep->hp_off[d] + i]] = (uint32_t)(base + i);
+				ep->pos[ep->hp[ep->hp_off[d] + i]] = i << 6 | d; /* W <= 64 */
 			} else {
 				float *dst = out + (size_t)ep->hp[ep->hp_off[d] + i] * H;
 
@@ -819,14 +868,13 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 	if (!ep->sum && ep->home_w) {
 		/* each token's outputs weighted and summed in expert order, the additions
 		 * the single-rank forward makes, in its order: bitwise its result */
-		const uint8_t *comb = region + ep->off_comb;
-
 		for (uint32_t t = 0; t < ep->T; t++) {
 			float *acc = out + (size_t)t * H;
 
 			for (uint32_t j = 0; j < ep->K; j++) {
 				const size_t tj = (size_t)t * ep->K + j;
-				const uint8_t *src = comb + (size_t)ep->pos[tj] * ep->crow;
+				const uint8_t *src =
+				    rbase[ep->pos[tj] & 63] + (size_t)(ep->pos[tj] >> 6) * ep->crow;
 
 				if (ep->cesz == 4)
 					axpy(acc, ep->home_w[tj], (const float *)src, H);
@@ -852,6 +900,8 @@ static int ctl_allgather(struct ro_ep *ep, const struct ctl_rec *mine, struct ct
 
 	if (ep->broken)
 		return fail(ep, -EPIPE, "ep rank %u: the group is broken: %s", ep->me, ep->err);
+	if ((r = drain_tx(ep)))
+		return r;
 	memcpy((uint8_t *)ro_fab_send(ep->f) + ep->s_ctl, mine, sizeof(*mine));
 	r = send_all(ep, K_CTL, 0, ep->s_ctl, CTL_BYTES,
 		     ep->off_ctl + ((size_t)par * ep->W + ep->me) * CTL_BYTES);

@@ -425,6 +425,33 @@ void ro_fab_set_timeout(struct ro_fab *f, uint32_t ms)
 	f->timeout_ms = ms;
 }
 
+int ro_fab_signal_self(struct ro_fab *f, size_t len, uint32_t data)
+{
+	size_t chunks = len ? (len + f->chunk - 1) / f->chunk : 1;
+
+	for (size_t i = 0; i < chunks; i++)
+		if (stash(f, data))
+			return -ENOMEM;
+	return 0;
+}
+
+int ro_fab_drain_tx(struct ro_fab *f, char *err, size_t errlen)
+{
+	const int64_t deadline = mono_ms() + f->timeout_ms;
+
+	while (f->pending) {
+		int r = drain_cq(f, NULL, NULL, err, errlen);
+
+		if (r < 0)
+			return r;
+		if (!r && mono_ms() > deadline)
+			return ro_errf(err, errlen, -ETIMEDOUT,
+				       "%llu writes not completed after %u ms (a peer gone?)",
+				       (unsigned long long)f->pending, f->timeout_ms);
+	}
+	return 0;
+}
+
 int ro_fab_write(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t roff,
 		 uint32_t data, char *err, size_t errlen)
 {

@@ -31,6 +31,12 @@ int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *
  * rank itself are a memcpy, their arrival seen by the next poll. */
 int ro_fab_write(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t roff,
 		 uint32_t data, char *err, size_t errlen);
+/* The arrival of a message to this rank itself whose len bytes are already in place (the
+ * packer wrote them into the region directly). */
+int ro_fab_signal_self(struct ro_fab *f, size_t len, uint32_t data);
+/* Wait until every posted write has completed locally (its source may be reused), up to
+ * the timeout. Arrivals seen meanwhile wait for the next ro_fab_poll. */
+int ro_fab_drain_tx(struct ro_fab *f, char *err, size_t errlen);
 /* Progress the completion queue: every remote CQ data entry goes to on_data. Returns the
  * number of entries handled, or -errno with the message (naming the peer) in err. */
 typedef void (*ro_fab_data_fn)(void *arg, uint32_t data);
