@@ -61,6 +61,7 @@ struct ro_ep {
 	uint32_t seq[4];
 	bool broken;
 	unsigned spin;	      /* idle polls before yielding */
+	bool oversub;	      /* more ranks than cores (a group on one host is assumed) */
 	enum ro_ep_mode mode; /* of the current exchange */
 	uint32_t passes, fwd_calls, layer;
 	/* home side of the current exchange */
@@ -201,7 +202,8 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 	ep->desz = o->dispatch_dtype == RO_EP_BF16 ? 2 : 4;
 	ep->cesz = o->combine_dtype == RO_EP_BF16 ? 2 : 4;
 	ep->sum = o->combine_sum;
-	ep->spin = sysconf(_SC_NPROCESSORS_ONLN) >= (long)o->world ? 256 : 1;
+	ep->oversub = sysconf(_SC_NPROCESSORS_ONLN) < (long)o->world;
+	ep->spin = ep->oversub ? 1 : 256;
 	/* meta: the K expert ids (int16, -1 padded), then with combine_sum their K weights */
 	ep->dmeta = (ep->K * 2 + (ep->sum ? ep->K * 4 : 0) + 15) & ~(size_t)15;
 	ep->drow = ep->dmeta + ((ep->H * ep->desz + 15) & ~(size_t)15);
@@ -389,7 +391,13 @@ static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 					   "%u ms",
 					   ep->me, late, kind_name[k], layer, ep->o.timeout_ms));
 		}
-		if (mono_ms() - last < 5) {
+		if (ep->oversub) {
+			/* a sched_yield would keep the core for the rest of our slice; a short
+			 * sleep gives it to the rank we are waiting for */
+			struct timespec ts = {0, 1000};
+
+			nanosleep(&ts, NULL);
+		} else if (mono_ms() - last < 5) {
 			sched_yield();
 		} else {
 			struct timespec ts = {0, 20000};
@@ -602,8 +610,9 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 				started |= 1ull << d;
 				ep->ht[ep->to_off[d] + cur[d]] = t;
 				/* rows for this rank go straight into its own region */
-				row[d] = d == me ? self + (size_t)cur[d]++ * ep->drow
-						 : send + (size_t)(ep->to_off[d] + cur[d]++) * ep->drow;
+				row[d] = d == me
+					     ? self + (size_t)cur[d]++ * ep->drow
+					     : send + (size_t)(ep->to_off[d] + cur[d]++) * ep->drow;
 				memset(row[d], 0xff, ep->dmeta);
 				nk[d] = 0;
 				put_row(ep, row[d], x + (size_t)t * ep->H, first);
@@ -631,8 +640,9 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 				for (uint32_t s = 0; s < me; s++)
 					base += ep->cnt[s][d][0];
 			if (d == me) {
-				r = ro_fab_signal_self(ep->f, (size_t)ep->to_rows[d] * ep->drow,
-						       cq_data(K_DISP, par, me, layer, ep->to_rows[d]));
+				r = ro_fab_signal_self(
+				    ep->f, (size_t)ep->to_rows[d] * ep->drow,
+				    cq_data(K_DISP, par, me, layer, ep->to_rows[d]));
 				if (r)
 					return broken(ep, r);
 				continue;
@@ -840,8 +850,8 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 			return broken(ep, fail(ep, -EPROTO,
 					       "ep: rank %u returned %u results, we sent it %u", d,
 					       a->n, want));
-		rbase[d] = d == me ? send + self_off * ep->crow
-				   : region + ep->off_comb + base * ep->crow;
+		rbase[d] =
+		    d == me ? send + self_off * ep->crow : region + ep->off_comb + base * ep->crow;
 		for (uint32_t i = 0; i < a->n; i++) {
 			const uint8_t *src = rbase[d] + (size_t)i * ep->crow;
 

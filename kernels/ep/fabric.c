@@ -143,10 +143,10 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct
 	r = fi_getinfo(FI_VERSION(1, 11), NULL, NULL, 0, hints, &info);
 	fi_freeinfo(hints);
 	if (r || !info)
-		return ro_errf(err, errlen, r ? fierr(r) : -ENODEV,
-			    "no libfabric provider %s offers RDM with RMA and remote CQ data: %s",
-			    provider && *provider ? provider : "(any)",
-			    r ? fi_strerror(-r) : "none found");
+		return ro_errf(
+		    err, errlen, r ? fierr(r) : -ENODEV,
+		    "no libfabric provider %s offers RDM with RMA and remote CQ data: %s",
+		    provider && *provider ? provider : "(any)", r ? fi_strerror(-r) : "none found");
 	f = calloc(1, sizeof(*f));
 	if (!f) {
 		fi_freeinfo(info);
@@ -171,7 +171,8 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct
 	if (!f->region || !f->send) {
 		f->region = f->region ? (munmap(f->region, f->region_len), NULL) : NULL;
 		f->send = f->send ? (munmap(f->send, f->send_len), NULL) : NULL;
-		r = ro_errf(err, errlen, -ENOMEM, "cannot map %zu + %zu bytes", region_len, send_len);
+		r = ro_errf(err, errlen, -ENOMEM, "cannot map %zu + %zu bytes", region_len,
+			    send_len);
 		goto fail;
 	}
 	for (int i = 0; i < N_CTX; i++)
@@ -192,14 +193,14 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct
 	    (r = fi_ep_bind(f->ep, &f->av->fid, 0)) ||
 	    (r = fi_ep_bind(f->ep, &f->cq->fid, FI_TRANSMIT | FI_RECV)) || (r = fi_enable(f->ep))) {
 		r = ro_errf(err, errlen, fierr(r), "opening the %s endpoint: %s", f->prov,
-			 fi_strerror(-r));
+			    fi_strerror(-r));
 		goto fail;
 	}
 	if ((r = fi_mr_reg(f->domain, f->region, f->region_len, FI_REMOTE_WRITE, 0, 0, 0, &f->rmr,
 			   NULL)) ||
 	    (r = fi_mr_reg(f->domain, f->send, f->send_len, FI_WRITE, 0, 1, 0, &f->smr, NULL))) {
 		r = ro_errf(err, errlen, fierr(r), "registering %zu + %zu bytes with %s: %s",
-			 f->region_len, f->send_len, f->prov, fi_strerror(-r));
+			    f->region_len, f->send_len, f->prov, fi_strerror(-r));
 		goto fail;
 	}
 	f->sdesc = fi_mr_desc(f->smr);
@@ -267,19 +268,21 @@ int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *
 		int r;
 
 		if (lens[i] != sizeof(c))
-			return ro_errf(err, errlen, -EPROTO, "rank %u's card has %zu bytes, want %zu",
-				    i, lens[i], sizeof(c));
+			return ro_errf(err, errlen, -EPROTO,
+				       "rank %u's card has %zu bytes, want %zu", i, lens[i],
+				       sizeof(c));
 		memcpy(&c, cards[i], sizeof(c));
 		if (c.magic != CARD_MAGIC || c.name_len > sizeof(c.name) || c.len != f->region_len)
-			return ro_errf(err, errlen, -EPROTO,
-				    "rank %u's card does not match (another build or other sizes: "
-				    "region %llu bytes, ours %zu)",
-				    i, (unsigned long long)c.len, f->region_len);
+			return ro_errf(
+			    err, errlen, -EPROTO,
+			    "rank %u's card does not match (another build or other sizes: "
+			    "region %llu bytes, ours %zu)",
+			    i, (unsigned long long)c.len, f->region_len);
 		r = fi_av_insert(f->av, c.name, 1, &f->peer[i], 0, NULL);
 		if (r != 1)
 			return ro_errf(err, errlen, r < 0 ? r : -EADDRNOTAVAIL,
-				    "cannot insert rank %u's address: %s", i,
-				    fi_strerror(r < 0 ? -r : FI_EADDRNOTAVAIL));
+				       "cannot insert rank %u's address: %s", i,
+				       fi_strerror(r < 0 ? -r : FI_EADDRNOTAVAIL));
 		f->peer_base[i] = c.base;
 		f->peer_key[i] = c.key;
 	}
@@ -306,10 +309,11 @@ static int poll_err(struct ro_fab *f, char *err, size_t errlen)
 	}
 	pmsg = fi_cq_strerror(f->cq, e.prov_errno, e.err_data, pbuf, sizeof(pbuf));
 	if (peer >= 0)
-		return ro_errf(err, errlen, e.err ? -e.err : -EIO, "write to rank %d failed: %s (%s)",
-			    peer, fi_strerror(e.err), pmsg ? pmsg : "");
+		return ro_errf(err, errlen, e.err ? -e.err : -EIO,
+			       "write to rank %d failed: %s (%s)", peer, fi_strerror(e.err),
+			       pmsg ? pmsg : "");
 	return ro_errf(err, errlen, e.err ? -e.err : -EIO, "completion error: %s (%s)",
-		    fi_strerror(e.err), pmsg ? pmsg : "");
+		       fi_strerror(e.err), pmsg ? pmsg : "");
 }
 
 static int stash(struct ro_fab *f, uint32_t data)
@@ -342,7 +346,8 @@ static int drain_cq(struct ro_fab *f, ro_fab_data_fn on_data, void *arg, char *e
 		if (n == -FI_EAVAIL)
 			return poll_err(f, err, errlen);
 		if (n < 0)
-			return ro_errf(err, errlen, fierr(n), "fi_cq_read: %s", fi_strerror((int)-n));
+			return ro_errf(err, errlen, fierr(n), "fi_cq_read: %s",
+				       fi_strerror((int)-n));
 		for (ssize_t i = 0; i < n; i++) {
 			if (ent[i].flags & FI_REMOTE_CQ_DATA) {
 				if (on_data)
@@ -406,7 +411,7 @@ static int post(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t
 			}
 			if (r != -FI_EAGAIN)
 				return ro_errf(err, errlen, fierr(r), "write to rank %u: %s", peer,
-					    fi_strerror((int)-r));
+					       fi_strerror((int)-r));
 		}
 		r = drain_cq(f, NULL, NULL, err, errlen);
 		if (r < 0)
@@ -415,8 +420,8 @@ static int post(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t
 			deadline = mono_ms() + f->timeout_ms;
 		else if (!(tries & 255) && mono_ms() > deadline)
 			return ro_errf(err, errlen, -ETIMEDOUT,
-				    "rank %u late: a write to it not accepted after %u ms", peer,
-				    f->timeout_ms);
+				       "rank %u late: a write to it not accepted after %u ms", peer,
+				       f->timeout_ms);
 	}
 }
 
@@ -457,7 +462,7 @@ int ro_fab_write(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_
 {
 	if (soff + len > f->send_len || roff + len > f->region_len || peer >= f->world)
 		return ro_errf(err, errlen, -EINVAL, "write of %zu bytes to rank %u out of bounds",
-			    len, peer);
+			       len, peer);
 	if (peer == f->rank) {
 		size_t chunks = len ? (len + f->chunk - 1) / f->chunk : 1;
 
