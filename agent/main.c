@@ -171,7 +171,7 @@ static void status_json(const struct ro_agent *a, char *buf, size_t len)
 		       "\"tokens_per_s\":%.1f,\"step_ms\":%.2f,\"backpressure\":%s,\"lag\":%lld,"
 		       "\"stop_claiming\":%s,\"deadline_in_s\":%.3f,\"drain_reason\":\"%s\","
 		       "\"loop_age_ms\":%lld,\"claimed\":%llu,\"completed\":%llu,\"requeued\":%llu,"
-		       "\"published\":%llu,\"uncheckpointed_max\":%u}\n",
+		       "\"published\":%llu,\"uncheckpointed_max\":%u",
 		       ro_state_name(a->state), a->worker, a->n_units, a->n_active, a->tokens_per_s,
 		       a->step_ms, a->backpressure ? "true" : "false", (long long)a->lag,
 		       a->stop_claiming ? "true" : "false",
@@ -179,12 +179,34 @@ static void status_json(const struct ro_agent *a, char *buf, size_t len)
 		       a->drain_reason, (long long)(ro_now_ms() - a->last_loop_ms),
 		       (unsigned long long)a->n.claimed, (unsigned long long)a->n.completed,
 		       (unsigned long long)a->n.requeued, (unsigned long long)a->n.published, unckpt);
+	if (a->ep) {
+		struct ro_ep_stats st;
+		size_t n = strlen(buf);
+
+		ro_ep_stats(a->ep, &st);
+		(void)snprintf(buf + n, len - n,
+			       ",\"ep\":{\"group\":\"%s\",\"rank\":%u,\"size\":%u,\"provider\":\"%s\","
+			       "\"failed\":%s,\"exchanges\":%llu,\"low_latency\":%llu,"
+			       "\"dispatch_bytes\":%llu,\"combine_bytes\":%llu,\"dispatch_ms\":%.1f,"
+			       "\"combine_ms\":%.1f,\"sync_ms\":%.1f}",
+			       a->cfg.ep_group, ro_ep_rank(a->ep), ro_ep_world(a->ep),
+			       ro_ep_provider(a->ep), a->ep_failed ? "true" : "false",
+			       (unsigned long long)st.exchanges, (unsigned long long)st.ll_exchanges,
+			       (unsigned long long)st.dispatch_bytes,
+			       (unsigned long long)st.combine_bytes, st.dispatch_ms, st.combine_ms,
+			       st.sync_ms);
+	}
+	{
+		size_t n = strlen(buf);
+
+		(void)snprintf(buf + n, len - n, "}\n");
+	}
 }
 
 static void control_serve(struct ro_agent *a, int lfd)
 {
 	for (int i = 0; i < 4; i++) {
-		char req[256] = "", rep[1024];
+		char req[256] = "", rep[2048];
 		struct pollfd p;
 		ssize_t n;
 		int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
@@ -253,6 +275,20 @@ static void write_metrics(const struct ro_agent *a)
 	G("backpressure", "1 while the trainer's lag stops claims.", "%d", a->backpressure ? 1 : 0);
 	G("trainer_lag", "Trainer lag on the samples stream.", "%lld", (long long)a->lag);
 	G("last_drain_duration_seconds", "Duration of the last drain.", "%.3f", a->last_drain_s);
+	if (a->ep) {
+		struct ro_ep_stats st;
+
+		ro_ep_stats(a->ep, &st);
+		C("ep_exchanges_total", "Expert-parallel exchanges (MoE layer passes).",
+		  st.exchanges);
+		C("ep_dispatch_bytes_total", "Payload bytes dispatched.", st.dispatch_bytes);
+		C("ep_combine_bytes_total", "Payload bytes combined back.", st.combine_bytes);
+		G("ep_dispatch_seconds_total", "Time in dispatch.", "%.3f", st.dispatch_ms / 1e3);
+		G("ep_combine_seconds_total", "Time in combine.", "%.3f", st.combine_ms / 1e3);
+		G("ep_group_step_seconds_total", "Time in the group's step all-gathers.", "%.3f",
+		  st.sync_ms / 1e3);
+		G("ep_failed", "1 once the group failed.", "%d", a->ep_failed ? 1 : 0);
+	}
 	(void)fprintf(f, "# HELP rolloutd_state Current state.\n# TYPE rolloutd_state gauge\n");
 	for (int s = RO_RUNNING; s <= RO_DRAINED; s++)
 		(void)fprintf(f, "rolloutd_state{worker=\"%s\",state=\"%s\"} %d\n", a->worker,

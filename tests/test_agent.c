@@ -824,6 +824,13 @@ Test(agent, ep_groups_equal_single_rank, .timeout = 240)
 			dump_log(&g);
 			cr_assert_fail("EP=%d: not all units completed", w);
 		}
+		{
+			const char *st = status(&g, "status\n");
+
+			cr_expect(strstr(st, "\"ep\":{\"group\":") && field(st, "exchanges") > 0,
+				  "EP=%d: status --local shows the group and its exchanges: %s", w,
+				  st);
+		}
 		kill(g.pid, SIGTERM);
 		cr_expect_eq(wait_exit(&g, 20000), 0, "EP=%d: the group drains and exits 0", w);
 		ro_test_verify_exactly_once(c, q, units, n);
