@@ -4,8 +4,11 @@
  * Region of each rank (peers write it, nobody reads a peer's):
  *   ctl  [2 parities][W sources]            64-byte records of the group step
  *   cnt  [2 parities][W sources][W] x 8     rows and pairs each source sends each rank
- *   disp rows of [K int16 expert ids | hidden payload], by source
- *   comb each (token, expert) output this rank's tokens get back, by owner rank
+ *   disp rows of [K int16 expert ids | combine_sum: K f32 weights | hidden payload],
+ *        by source (this rank packs its own rows here directly)
+ *   comb what this rank's tokens get back, by owner rank: each (token, expert) output,
+ *        or with combine_sum each (token, owner) weighted sum (its own stay in the
+ *        send area and are read there)
  * Low-latency mode puts source s's rows at the fixed slot s * ll_tokens (one write per
  * peer, no round trip); throughput mode first all-gathers the counts, then packs every
  * source's rows exactly. Every write carries 4 bytes of CQ data (kind, parity, source,
