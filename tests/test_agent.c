@@ -794,6 +794,14 @@ static bool log_has(const struct agent *ag, const char *what)
 	return system(cmd) == 0;
 }
 
+/* Until a rank of the group has claimed a unit (at most 10 s), and half a second more. */
+static void wait_working(const struct agent *g)
+{
+	for (int i = 0; i < 200 && !log_has(g, "claimed u-"); i++)
+		msleep(50);
+	msleep(500);
+}
+
 /* EP = 2 (tcp on lo) and EP = 4 (shm) groups generate the units; every sample bitwise the
  * single-rank run's, and every rank did some of the work. */
 Test(agent, ep_groups_equal_single_rank, .timeout = 240)
@@ -864,10 +872,7 @@ Test(agent, ep_group_drains_together, .timeout = 240)
 				    "--fabric-provider", "shm", "--max-inflight", "4",
 				    "--claim-batch", "1", "--drain-margin-ms", "0", NULL},
 	      fi_env);
-	for (int i = 0; i < 200 && ro_test_int(c, "XLEN ro:{%s}:samples", q) < 1 &&
-			!log_has(&g, "claimed u-"); i++)
-		msleep(50);
-	msleep(500);
+	wait_working(&g);
 	(void)snprintf(cmd, sizeof(cmd), "%s drain --deadline 2 --socket %s.rank1 >/dev/null",
 		       bin("RO_ROLLOUTCTL", "rolloutctl"), g.sock);
 	cr_assert_eq(system(cmd), 0, "rolloutctl drain to rank 1");
@@ -903,9 +908,7 @@ Test(agent, ep_rank_killed_fails_fast, .timeout = 240)
 				    "--claim-batch", "1", "--ep-timeout-ms", "2000", "--lease-ms",
 				    "3000", "--checkpoint-tokens", "8", NULL},
 	      fi_env);
-	for (int i = 0; i < 200 && !log_has(&g, "claimed u-"); i++)
-		msleep(50);
-	msleep(500);
+	wait_working(&g);
 	for (int i = 0; i < 50 && (nk = children(g.pid, kids, 8)) < 3; i++)
 		msleep(50);
 	cr_assert_eq(nk, 3, "three ranks running");
