@@ -107,6 +107,8 @@ static const struct setting table[] = {
      "dispatch payload: f32 (bitwise the single-rank result) | bf16 (half the bytes)"},
     {"ep-combine-dtype", T_ENUM, F(ep_combine_dtype), "f32", 0, 0, dtype_names,
      "combine payload: f32 | bf16"},
+    {"ep-direct", T_BOOL, F(ep_direct), "true", 0, 0, NULL,
+     "shm: ranks of one host store into each other's memory, libfabric only signals"},
 };
 #undef F
 

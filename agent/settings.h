@@ -31,6 +31,7 @@ struct ro_config {
 	uint32_t ep_size, ep_rank, ep_local_ranks, ep_timeout_ms, ep_max_tokens;
 	uint32_t ep_mode;		       /* enum ro_ep_mode */
 	uint32_t ep_dtype, ep_combine_dtype; /* enum ro_ep_dtype */
+	bool ep_direct;
 };
 
 /* Parse argv/environment/file into c. Returns 0, 1 after --help or --print-config was

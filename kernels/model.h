@@ -134,6 +134,9 @@ struct ro_ep_opts {
 	 * but not bitwise the single-rank forward: it groups the additions differently).
 	 * Off: every (token, expert) output comes back and home sums them in expert order. */
 	bool combine_sum;
+	/* With shm, ranks of one host store rows and results straight into each other's
+	 * regions and the fabric only signals; fabric_only sends every byte through it. */
+	bool fabric_only;
 };
 void ro_ep_opts_default(struct ro_ep_opts *o);
 
@@ -189,6 +192,7 @@ struct ro_ep_stats {
 	uint64_t exchanges, ll_exchanges, dispatch_bytes, combine_bytes, syncs;
 	double dispatch_ms, combine_ms, sync_ms;
 	double pack_ms, decode_ms; /* of dispatch_ms: layout and packing; not in it: decode */
+	uint32_t direct_peers;	   /* peers this rank stores into directly (shm, one host) */
 };
 void ro_ep_stats(const struct ro_ep *ep, struct ro_ep_stats *ret);
 

@@ -43,7 +43,8 @@ struct group {
 	char name[64];
 	enum ro_ep_dtype dtype;
 	uint32_t timeout_ms;
-	bool sum; /* combine_sum */
+	bool sum;	  /* combine_sum */
+	bool fabric_only; /* shm without the direct stores */
 };
 
 /* In a child: print why and exit 1. */
@@ -85,6 +86,7 @@ static struct ro_ep *join(const struct group *g, uint32_t rank, uint32_t max_tok
 	o.dispatch_dtype = o.combine_dtype = g->dtype;
 	o.timeout_ms = g->timeout_ms ? g->timeout_ms : 20000;
 	o.combine_sum = g->sum;
+	o.fabric_only = g->fabric_only;
 	r = ro_ep_new(&o, &ep, err, sizeof(err));
 	if (r)
 		die("rank %u: ro_ep_new: %s", rank, err);
@@ -209,7 +211,13 @@ static void exchange_rounds(const struct group *g, uint32_t rank)
 	int32_t *ids = malloc(CAP * K * sizeof(int32_t)), *sids = malloc(CAP * K * sizeof(int32_t));
 	float *w = malloc(CAP * K * sizeof(float));
 	uint32_t round = 0;
+	struct ro_ep_stats st;
 
+	/* shm stores straight into the peers' regions unless told not to; tcp never does */
+	ro_ep_stats(ep, &st);
+	if (st.direct_peers != (!strcmp(g->provider, "shm") && !g->fabric_only ? g->world - 1 : 0))
+		die("rank %u: %u peers stored into directly over %s%s", rank, st.direct_peers,
+		    g->provider, g->fabric_only ? " (fabric only)" : "");
 	for (int mode = 0; mode < 2; mode++) {
 		enum ro_ep_mode m = mode ? RO_EP_THROUGHPUT : RO_EP_LOW_LATENCY;
 		uint32_t cap = mode ? CAP : LL;
@@ -376,6 +384,16 @@ Test(ep, dispatch_combine_bf16_shm)
 	struct group g = {.provider = "shm", .world = 3, .dtype = RO_EP_BF16};
 
 	run_group(&g, exchange_rounds);
+}
+
+/* shm with every byte through libfabric (RMA writes) instead of the direct stores */
+Test(ep, dispatch_combine_shm_fabric_only)
+{
+	for (int sum = 0; sum < 2; sum++) {
+		struct group g = {.provider = "shm", .world = 3, .sum = sum, .fabric_only = true};
+
+		run_group(&g, exchange_rounds);
+	}
 }
 
 /* ---- a rank that dies ------------------------------------------------------------------ */

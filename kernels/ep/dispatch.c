@@ -20,6 +20,7 @@
  * one exchange ahead of another, hence the two parities. */
 #include <errno.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -241,7 +242,8 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 		r = ro_errf(err, errlen, -ENOMEM, "out of memory");
 		goto fail;
 	}
-	r = ro_fab_open(o->provider, ep->region_len, ep->send_len, &ep->f, err, errlen);
+	r = ro_fab_open(o->provider, ep->region_len, ep->send_len, !o->fabric_only, &ep->f, err,
+			errlen);
 	if (r)
 		goto fail;
 	ep->chunk = ro_fab_chunk(ep->f);
@@ -281,6 +283,9 @@ uint32_t ro_ep_world(const struct ro_ep *ep)
 void ro_ep_stats(const struct ro_ep *ep, struct ro_ep_stats *ret)
 {
 	*ret = ep->st;
+	ret->direct_peers = 0;
+	for (uint32_t p = 0; p < ep->W; p++)
+		ret->direct_peers += ro_fab_peer_region(ep->f, p) != NULL;
 }
 
 int ro_ep_card(struct ro_ep *ep, void *buf, size_t *ret_len)
@@ -368,8 +373,11 @@ static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 
 		if (r < 0)
 			return broken(ep, r);
-		if (complete(ep, k, par))
+		if (complete(ep, k, par)) {
+			/* what peers stored into our region (shm direct) before signalling */
+			atomic_thread_fence(memory_order_acquire);
 			break;
+		}
 		if (r > 0) {
 			idle = 0;
 			last = mono_ms();
@@ -532,7 +540,7 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 	uint32_t cur[MAX_WORLD] = {0}, pc[MAX_WORLD] = {0};
 	double t0 = mono_msf(), t1;
 	size_t rows = 0, pairs = 0;
-	uint8_t *self;
+	uint8_t *self, *dst[MAX_WORLD];
 	int r;
 
 	if (ep->broken)
@@ -597,6 +605,17 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 			for (uint32_t s = 0; s < me; s++)
 				sbase += ep->cnt[s][me][0];
 		self = region + ep->off_disp + (size_t)sbase * ep->drow;
+		for (uint32_t d = 0; d < W; d++) {
+			uint8_t *pm = d == me ? NULL : ro_fab_peer_region(ep->f, d);
+			uint32_t base = 0;
+
+			if (ll)
+				base = me * ep->ll;
+			else
+				for (uint32_t s = 0; s < me; s++)
+					base += ep->cnt[s][d][0];
+			dst[d] = pm ? pm + ep->off_disp + (size_t)base * ep->drow : NULL;
+		}
 	}
 	t1 = mono_msf();
 	/* pack: each token once per destination, with the ids of that rank's experts */
@@ -612,10 +631,15 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 			if (!((started >> d) & 1)) {
 				started |= 1ull << d;
 				ep->ht[ep->to_off[d] + cur[d]] = t;
-				/* rows for this rank go straight into its own region */
-				row[d] = d == me
-					     ? self + (size_t)cur[d]++ * ep->drow
-					     : send + (size_t)(ep->to_off[d] + cur[d]++) * ep->drow;
+				/* rows for this rank go straight into its own region, rows for a
+				 * rank of this host straight into its (shm direct path) */
+				if (d == me)
+					row[d] = self + (size_t)cur[d]++ * ep->drow;
+				else if (dst[d])
+					row[d] = dst[d] + (size_t)cur[d]++ * ep->drow;
+				else
+					row[d] =
+					    send + (size_t)(ep->to_off[d] + cur[d]++) * ep->drow;
 				memset(row[d], 0xff, ep->dmeta);
 				nk[d] = 0;
 				put_row(ep, row[d], x + (size_t)t * ep->H, first);
@@ -646,6 +670,14 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 				r = ro_fab_signal_self(
 				    ep->f, (size_t)ep->to_rows[d] * ep->drow,
 				    cq_data(K_DISP, par, me, layer, ep->to_rows[d]));
+				if (r)
+					return broken(ep, r);
+				continue;
+			}
+			if (dst[d]) {
+				r = ro_fab_signal(ep->f, d, (size_t)ep->to_rows[d] * ep->drow,
+						  cq_data(K_DISP, par, me, layer, ep->to_rows[d]),
+						  ep->err, sizeof(ep->err));
 				if (r)
 					return broken(ep, r);
 				continue;
@@ -755,25 +787,26 @@ float *ro_ep_combine_buffer(struct ro_ep *ep)
 
 /* With combine_sum, each received row's pairs (in expert order) become one weighted sum,
  * written where the row's outputs go: rows from each source stay contiguous. */
-static int reduce_rows(struct ro_ep *ep, const float *y, uint8_t *send)
+static int reduce_rows(struct ro_ep *ep, const float *y, uint32_t r_lo, uint32_t r_hi, size_t p,
+		       uint8_t *dst)
 {
 	const uint32_t H = ep->H;
-	size_t p = 0;
 
 	if (!ep->acc && !(ep->acc = malloc(H * sizeof(float))))
 		return -ENOMEM;
-	/* y may be the send area itself: row r's sum goes to slot r only after its pairs
-	 * (at slots >= r) were read, and later rows' pairs lie beyond them */
-	for (uint32_t r = 0; r < ep->b.rows; r++) {
+	/* y may be the send area and dst too: row r's sum goes to slot r only after its
+	 * pairs (at slots >= r) were read, and later rows' pairs lie beyond them */
+	for (uint32_t r = r_lo; r < r_hi; r++) {
 		float *acc = ep->acc;
+		uint8_t *o = dst + (size_t)(r - r_lo) * ep->crow;
 
 		memset(acc, 0, H * sizeof(float));
 		for (; p < ep->b.pairs && ep->pair_row[p] == r; p++)
 			axpy(acc, ep->pair_w[p], y + p * H, H);
 		if (ep->cesz == 2)
-			to_bf16((uint16_t *)(send + (size_t)r * ep->crow), acc, H);
+			to_bf16((uint16_t *)o, acc, H);
 		else
-			memcpy(send + (size_t)r * ep->crow, acc, H * sizeof(float));
+			memcpy(o, acc, H * sizeof(float));
 	}
 	return 0;
 }
@@ -788,54 +821,67 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 	const uint32_t *from = ep->sum ? ep->from_rows : ep->from_pairs;
 	const uint8_t *rbase[MAX_WORLD];
 	double t0 = mono_msf();
-	size_t sent = 0, self_off = 0;
-	int r;
+	size_t sent = 0, self_off = 0, off_s[MAX_WORLD], roff_s[MAX_WORLD];
+	bool direct[MAX_WORLD];
+	int r = 0;
 
 	if (ep->broken)
 		return fail(ep, -EPIPE, "ep rank %u: the group is broken: %s", me, ep->err);
-	if (ep->sum) {
+	{
+		/* each source's results, where they go: a rank of this host gets them stored
+		 * into its region (shm direct path), the others from our send area */
 		const float *y = ro_ep_combine_buffer(ep);
+		size_t roff = 0, poff = 0;
 
 		if (!y)
 			return broken(ep, -ENOMEM);
-		r = reduce_rows(ep, y, send);
-		if (r)
-			return broken(ep, r);
-	} else if (ep->cesz == 2) {
-		if (!ep->ybuf)
-			return broken(ep, -ENOMEM);
-		to_bf16((uint16_t *)send, ep->ybuf, ep->b.pairs * H);
-	}
-	/* the results for source s are contiguous (rows came in by source) */
-	for (uint32_t i = 1; i <= W; i++) {
-		uint32_t s = (me + i) % W;
-		size_t base = 0, off = 0;
+		for (uint32_t s = 0; s < W; s++) {
+			uint8_t *pm = s == me ? NULL : ro_fab_peer_region(ep->f, s);
+			size_t base = 0;
+			uint8_t *to;
 
-		for (uint32_t s2 = 0; s2 < s; s2++)
-			off += from[s2];
-		if (s == me) {
-			/* ours stay where they are: home reads them from the send area */
-			self_off = off;
-			r = ro_fab_signal_self(ep->f, (size_t)from[s] * ep->crow,
-					       cq_data(K_COMB, par, me, layer, from[s]));
+			if (ll)
+				base = (size_t)me * ep->ll * ep->Kl;
+			else
+				for (uint32_t d = 0; d < me; d++)
+					base += ep->cnt[s][d][ep->sum ? 0 : 1];
+			off_s[s] = ep->sum ? roff : poff;
+			to = pm ? pm + ep->off_comb + base * ep->crow : send + off_s[s] * ep->crow;
+			direct[s] = pm != NULL;
+			roff_s[s] = base;
+			if (ep->sum)
+				r = reduce_rows(ep, y, (uint32_t)roff,
+						(uint32_t)(roff + ep->from_rows[s]), poff, to);
+			else if (ep->cesz == 2)
+				to_bf16((uint16_t *)to, y + poff * H,
+					(size_t)ep->from_pairs[s] * H);
+			else if (pm)
+				memcpy(to, y + poff * H,
+				       (size_t)ep->from_pairs[s] * H * sizeof(float));
 			if (r)
 				return broken(ep, r);
-			sent += from[s];
-			continue;
+			roff += ep->from_rows[s];
+			poff += ep->from_pairs[s];
 		}
-		if (ll)
-			base = (size_t)me * ep->ll * ep->Kl;
+	}
+	for (uint32_t i = 1; i <= W; i++) {
+		uint32_t s = (me + i) % W;
+		const uint32_t d = cq_data(K_COMB, par, me, layer, from[s]);
+		const size_t bytes = (size_t)from[s] * ep->crow;
+
+		if (s == me) /* ours stay where they are: home reads them from the send area */
+			r = ro_fab_signal_self(ep->f, bytes, d);
+		else if (direct[s])
+			r = ro_fab_signal(ep->f, s, bytes, d, ep->err, sizeof(ep->err));
 		else
-			for (uint32_t d = 0; d < me; d++)
-				base += ep->cnt[s][d][ep->sum ? 0 : 1];
-		r = ro_fab_write(ep->f, s, ep->s_comb + off * ep->crow, (size_t)from[s] * ep->crow,
-				 ep->off_comb + base * ep->crow,
-				 cq_data(K_COMB, par, me, layer, from[s]), ep->err,
-				 sizeof(ep->err));
+			r = ro_fab_write(ep->f, s, ep->s_comb + off_s[s] * ep->crow, bytes,
+					 ep->off_comb + roff_s[s] * ep->crow, d, ep->err,
+					 sizeof(ep->err));
 		if (r)
 			return broken(ep, r);
 		sent += from[s];
 	}
+	self_off = off_s[me];
 	r = wait_all(ep, K_COMB, layer);
 	if (r)
 		return r;

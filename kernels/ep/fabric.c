@@ -7,7 +7,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <stdatomic.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #include <time.h>
 
 #include <rdma/fabric.h>
@@ -34,6 +37,10 @@ struct card {
 	uint32_t magic, name_len;
 	uint64_t base, key, len;
 	uint8_t name[256];
+	/* same-host direct path: the region's memfd as /proc/<pid>/fd/<fd>, and what makes
+	 * "the same host" (boot id and pid namespace) */
+	int32_t pid, fd;
+	char host[96];
 };
 
 struct ro_fab {
@@ -53,6 +60,9 @@ struct ro_fab {
 	struct tx_ctx ctx[N_CTX];
 	int free_ctx;
 	uint64_t pending;
+	int region_fd;	 /* memfd behind the region (direct mode), else -1 */
+	bool direct;	 /* peers on this host map our region and write it themselves */
+	void **peer_map; /* their regions, mapped here (NULL: through the fabric) */
 	uint32_t *stash; /* arrivals seen while posting, and writes to self */
 	size_t stash_n, stash_cap;
 	char prov[64];
@@ -62,6 +72,23 @@ struct ro_fab {
 static int fierr(ssize_t r)
 {
 	return r < 0 ? (int)r : -(int)r;
+}
+
+/* "<boot id>:<pid namespace>": two processes that share it can map each other's memfd. */
+static void host_key(char *buf, size_t len)
+{
+	char boot[64] = "", ns[64] = "";
+	FILE *fb = fopen("/proc/sys/kernel/random/boot_id", "r");
+	ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+
+	if (fb) {
+		if (!fgets(boot, sizeof(boot), fb))
+			boot[0] = 0;
+		(void)fclose(fb);
+	}
+	boot[strcspn(boot, "\n")] = 0;
+	ns[n > 0 ? n : 0] = 0;
+	(void)snprintf(buf, len, "%s:%s", boot, ns);
 }
 
 static void *map_zeroed(size_t len)
@@ -94,6 +121,12 @@ struct ro_fab *ro_fab_close(struct ro_fab *f)
 		fi_freeinfo(f->info);
 	if (f->region)
 		(void)munmap(f->region, f->region_len);
+	if (f->region_fd >= 0)
+		(void)close(f->region_fd);
+	for (uint32_t i = 0; f->peer_map && i < f->world; i++)
+		if (f->peer_map[i])
+			(void)munmap(f->peer_map[i], f->region_len);
+	free(f->peer_map);
 	if (f->send)
 		(void)munmap(f->send, f->send_len);
 	free(f->stash);
@@ -127,8 +160,8 @@ static struct fi_info *make_hints(const char *provider)
 	return h;
 }
 
-int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct ro_fab **ret,
-		char *err, size_t errlen)
+int ro_fab_open(const char *provider, size_t region_len, size_t send_len, bool direct,
+		struct ro_fab **ret, char *err, size_t errlen)
 {
 	struct fi_cq_attr cqa = {
 	    .format = FI_CQ_FORMAT_DATA, .size = 4096, .wait_obj = FI_WAIT_NONE};
@@ -152,6 +185,7 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct
 		fi_freeinfo(info);
 		return ro_errf(err, errlen, -ENOMEM, "out of memory");
 	}
+	f->region_fd = -1;
 	/* the first (best) match only */
 	f->info = fi_dupinfo(info);
 	fi_freeinfo(info);
@@ -166,7 +200,27 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct
 		f->chunk = MAX_CHUNK;
 	f->region_len = region_len ? region_len : 4096;
 	f->send_len = send_len ? send_len : 4096;
-	f->region = map_zeroed(f->region_len);
+	f->region_fd = -1;
+	/* shm: ranks of one host write each other's regions with plain stores, the fabric
+	 * only signals (a memfd region they map through /proc/<pid>/fd) */
+	if (direct && !strcmp(f->prov, "shm")) {
+		int fd = memfd_create("rolloutd-ep-region", MFD_CLOEXEC);
+
+		if (fd >= 0 && ftruncate(fd, (off_t)f->region_len) == 0) {
+			void *p =
+			    mmap(NULL, f->region_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+
+			if (p != MAP_FAILED) {
+				f->region = p;
+				f->region_fd = fd;
+				f->direct = true;
+			}
+		}
+		if (!f->direct && fd >= 0)
+			(void)close(fd);
+	}
+	if (!f->region)
+		f->region = map_zeroed(f->region_len);
 	f->send = map_zeroed(f->send_len);
 	if (!f->region || !f->send) {
 		f->region = f->region ? (munmap(f->region, f->region_len), NULL) : NULL;
@@ -248,6 +302,9 @@ int ro_fab_card(struct ro_fab *f, void *buf, size_t *ret_len)
 	c.base = f->virt_addr ? (uint64_t)(uintptr_t)f->region : 0;
 	c.key = fi_mr_key(f->rmr);
 	c.len = f->region_len;
+	c.pid = (int32_t)getpid();
+	c.fd = f->direct ? f->region_fd : -1;
+	host_key(c.host, sizeof(c.host));
 	memcpy(buf, &c, sizeof(c));
 	*ret_len = sizeof(c);
 	return 0;
@@ -256,13 +313,17 @@ int ro_fab_card(struct ro_fab *f, void *buf, size_t *ret_len)
 int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *const *cards,
 		   const size_t *lens, char *err, size_t errlen)
 {
+	char me[96];
+
 	f->rank = rank;
 	f->world = world;
 	f->peer = calloc(world, sizeof(*f->peer));
 	f->peer_base = calloc(world, sizeof(*f->peer_base));
 	f->peer_key = calloc(world, sizeof(*f->peer_key));
-	if (!f->peer || !f->peer_base || !f->peer_key)
+	f->peer_map = calloc(world, sizeof(*f->peer_map));
+	if (!f->peer || !f->peer_base || !f->peer_key || !f->peer_map)
 		return ro_errf(err, errlen, -ENOMEM, "out of memory");
+	host_key(me, sizeof(me));
 	for (uint32_t i = 0; i < world; i++) {
 		struct card c;
 		int r;
@@ -285,6 +346,23 @@ int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *
 				       fi_strerror(r < 0 ? -r : FI_EADDRNOTAVAIL));
 		f->peer_base[i] = c.base;
 		f->peer_key[i] = c.key;
+		c.host[sizeof(c.host) - 1] = 0;
+		if (f->direct && i != rank && c.fd >= 0 && !strcmp(c.host, me)) {
+			char path[64];
+			int fd;
+
+			(void)snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)c.pid, (int)c.fd);
+			fd = open(path, O_RDWR | O_CLOEXEC);
+			if (fd >= 0) {
+				void *p = mmap(NULL, f->region_len, PROT_READ | PROT_WRITE,
+					       MAP_SHARED, fd, 0);
+
+				if (p != MAP_FAILED)
+					f->peer_map[i] = p;
+				(void)close(fd);
+			}
+			/* not mappable (another user, a seccomp profile): the fabric carries it */
+		}
 	}
 	return 0;
 }
@@ -428,6 +506,27 @@ static int post(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t
 void ro_fab_set_timeout(struct ro_fab *f, uint32_t ms)
 {
 	f->timeout_ms = ms;
+}
+
+void *ro_fab_peer_region(struct ro_fab *f, uint32_t peer)
+{
+	return f->peer_map && peer < f->world ? f->peer_map[peer] : NULL;
+}
+
+int ro_fab_signal(struct ro_fab *f, uint32_t peer, size_t len, uint32_t data, char *err,
+		  size_t errlen)
+{
+	size_t chunks = len ? (len + f->chunk - 1) / f->chunk : 1;
+
+	/* our stores into the peer's region happen before the signal that announces them */
+	atomic_thread_fence(memory_order_release);
+	for (size_t i = 0; i < chunks; i++) {
+		int r = post(f, peer, 0, 0, 0, data, err, errlen);
+
+		if (r)
+			return r;
+	}
+	return 0;
 }
 
 int ro_fab_signal_self(struct ro_fab *f, size_t len, uint32_t data)

@@ -11,9 +11,10 @@ struct ro_fab;
 
 /* Open an RDM endpoint on provider (NULL: best available) with a region of region_len
  * bytes that peers may write and a send area of send_len bytes (both zeroed, lazily
- * backed). */
-int ro_fab_open(const char *provider, size_t region_len, size_t send_len, struct ro_fab **ret,
-		char *err, size_t errlen);
+ * backed). With direct and the shm provider, the region is shareable: peers of this host
+ * map it and store into it (ro_fab_peer_region), the fabric only signals. */
+int ro_fab_open(const char *provider, size_t region_len, size_t send_len, bool direct,
+		struct ro_fab **ret, char *err, size_t errlen);
 struct ro_fab *ro_fab_close(struct ro_fab *f);
 const char *ro_fab_provider(const struct ro_fab *f);
 void *ro_fab_region(struct ro_fab *f);
@@ -31,6 +32,13 @@ int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *
  * rank itself are a memcpy, their arrival seen by the next poll. */
 int ro_fab_write(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t roff,
 		 uint32_t data, char *err, size_t errlen);
+/* Same host, shm: the peer's region mapped here (write rows into it, then ro_fab_signal),
+ * or NULL when the data must go through the fabric. */
+void *ro_fab_peer_region(struct ro_fab *f, uint32_t peer);
+/* Announce len bytes already stored into the peer's mapped region: the signals (one per
+ * chunk, as a write of that length would) carry data, after a release fence. */
+int ro_fab_signal(struct ro_fab *f, uint32_t peer, size_t len, uint32_t data, char *err,
+		  size_t errlen);
 /* The arrival of a message to this rank itself whose len bytes are already in place (the
  * packer wrote them into the region directly). */
 int ro_fab_signal_self(struct ro_fab *f, size_t len, uint32_t data);
