@@ -3,7 +3,8 @@
  *   low-latency  hidden 7168, top-8, 256 experts, 128 tokens per rank (decode)
  *   throughput   hidden 2048, top-8,  64 experts, 4096 tokens per rank (prefill)
  * bf16 payloads both ways, as DeepEP's benchmarks. In the same run, the baselines:
- *   MPI_Alltoallv  the same exchange (same rows, same bytes) through Debian's OpenMPI
+ *   MPI_Alltoallv  the same exchange (same rows, same bytes) through Debian's OpenMPI,
+ *                  over shared memory for the shm rows and TCP on lo for the tcp rows
  *   dense          every token to every rank over the same libfabric endpoints
  *   8 KB round     one 8 KB message from every rank to every rank (the latency floor),
  *                  against which the low-latency exchange of one token per rank (decode
@@ -256,9 +257,10 @@ static int run(const char *prov, const struct cfg *c, uint32_t W, struct res agg
 	return rc;
 }
 
-/* The MPI baseline, under mpirun, bound to this host (shared memory and loopback). */
-static bool run_mpi(const struct cfg *c, uint32_t W, const char *variant, double *d_us,
-		    double *c_us)
+/* The MPI baseline, under mpirun, bound to this host: over shared memory (vader) for the
+ * shm rows, over TCP on lo for the tcp rows. */
+static bool run_mpi(const struct cfg *c, uint32_t W, const char *variant, const char *btl,
+		    double *d_us, double *c_us)
 {
 	char cmd[1024], line[256];
 	const char *self = getenv("RO_EP_MPI") ? getenv("RO_EP_MPI") : mpi_bin;
@@ -267,12 +269,11 @@ static bool run_mpi(const struct cfg *c, uint32_t W, const char *variant, double
 
 	if (!self || !*self || access(self, X_OK))
 		return false;
-	(void)snprintf(
-	    cmd, sizeof(cmd),
-	    "mpirun --allow-run-as-root --oversubscribe -np %u --bind-to none "
-	    "--mca btl self,vader --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo "
-	    "%s %u %u %u %u %u %s 2>/dev/null",
-	    W, self, c->H, c->K, c->E, c->T, c->iters, variant);
+	(void)snprintf(cmd, sizeof(cmd),
+		       "mpirun --allow-run-as-root --oversubscribe -np %u --bind-to none "
+		       "--mca btl self,%s --mca oob_tcp_if_include lo --mca btl_tcp_if_include lo "
+		       "%s %u %u %u %u %u %s 2>/dev/null",
+		       W, btl, self, c->H, c->K, c->E, c->T, c->iters, variant);
 	p = popen(cmd, "r");
 	if (!p)
 		return false;
@@ -355,21 +356,22 @@ int main(int argc, char **argv)
 		if (iters)
 			cfgs[ci].iters = iters;
 		for (uint32_t W = 2; W <= (quick ? 2u : 4u); W += 2) {
-			double md[3] = {0}, mc[3] = {0};
-			bool have_mpi[3];
-
-			/* MPI: the same rows as exact, as sum, and the generic per-expert copies */
-			for (int v = 0; v < 3; v++)
-				have_mpi[v] = run_mpi(&cfgs[ci], W,
-						      v == 0   ? ""
-						      : v == 1 ? "sum"
-							       : "dup",
-						      &md[v], &mc[v]);
 			for (size_t pi = 0; pi < 2; pi++) {
 				struct res a[NRES];
+				double md[3] = {0}, mc[3] = {0};
+				bool have_mpi[3];
 
 				if (prov_only && strcmp(prov_only, provs[pi]))
 					continue;
+				/* MPI: the same rows as exact, as sum, and the generic per-expert
+				 * copies, over the same kind of link */
+				for (int v = 0; v < 3; v++)
+					have_mpi[v] =
+					    run_mpi(&cfgs[ci], W,
+						    v == 0   ? ""
+						    : v == 1 ? "sum"
+							     : "dup",
+						    pi == 0 ? "vader" : "tcp", &md[v], &mc[v]);
 				if (run(provs[pi], &cfgs[ci], W, a)) {
 					printf("%-11s %-5s %-4s %-2u | failed\n",
 					       cfgs[ci].mode_name, "", provs[pi], W);
