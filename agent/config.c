@@ -28,6 +28,7 @@ struct setting {
 static const char *const rebalance_names[] = {"drain", "stop-claiming", "ignore", NULL};
 static const char *const ep_mode_names[] = {"auto", "low-latency", "throughput", NULL};
 static const char *const dtype_names[] = {"f32", "bf16", NULL};
+static const char *const combine_names[] = {"exact", "sum", NULL};
 static const char *const level_names[] = {"emerg", "alert", "crit",  "err",
 					  "warning", "notice", "info", "debug", NULL};
 
@@ -107,6 +108,9 @@ static const struct setting table[] = {
      "dispatch payload: f32 (bitwise the single-rank result) | bf16 (half the bytes)"},
     {"ep-combine-dtype", T_ENUM, F(ep_combine_dtype), "f32", 0, 0, dtype_names,
      "combine payload: f32 | bf16"},
+    {"ep-combine", T_ENUM, F(ep_combine), "exact", 0, 0, combine_names,
+     "exact: every expert output home, bitwise the single-rank result | sum: one weighted "
+     "sum per token and rank (fewer bytes, not bitwise)"},
     {"ep-direct", T_BOOL, F(ep_direct), "true", 0, 0, NULL,
      "shm: ranks of one host store into each other's memory, libfabric only signals"},
 };

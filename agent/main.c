@@ -498,6 +498,7 @@ static int ep_setup(struct ro_agent *a)
 	o.combine_dtype = (enum ro_ep_dtype)a->cfg.ep_combine_dtype;
 	o.timeout_ms = a->cfg.ep_timeout_ms;
 	o.fabric_only = !a->cfg.ep_direct;
+	o.combine_sum = a->cfg.ep_combine == 1;
 	if (strcmp(a->cfg.fabric_provider, "auto")) {
 		r = ro_ep_new(&o, &a->ep, err, sizeof(err));
 	} else {

@@ -857,6 +857,30 @@ Test(agent, ep_groups_equal_single_rank, .timeout = 240)
 	redisFree(c);
 }
 
+/* The lossy options end to end: summed combine, bf16 both ways: every sample once. */
+Test(agent, ep_group_sum_combine_bf16, .timeout = 180)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64];
+	struct agent g;
+
+	ro_test_name("epsum", q, sizeof(q));
+	enqueue(q, "u", 6, 2, scaled(30), 0, 0);
+	start(&g, "eps", q,
+	      (const char *const[]){"--imds", "false", "--ep-local-ranks", "2", "--fabric-provider",
+				    "shm", "--ep-combine", "sum", "--ep-dtype", "bf16",
+				    "--ep-combine-dtype", "bf16", "--max-inflight", "4", NULL},
+	      fi_env);
+	if (!wait_done(c, q, 6, 90000)) {
+		dump_log(&g);
+		cr_assert_fail("not all units completed");
+	}
+	kill(g.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&g, 20000), 0);
+	ro_test_verify_exactly_once(c, q, 6, 2);
+	redisFree(c);
+}
+
 /* `rolloutctl drain` on rank 1 drains the whole group to its deadline; nothing is lost. */
 Test(agent, ep_group_drains_together, .timeout = 240)
 {
