@@ -21,7 +21,6 @@
 #include <errno.h>
 #include <sched.h>
 #include <stdatomic.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,7 +63,6 @@ struct ro_ep {
 	struct arrival arr[4][2][MAX_WORLD];
 	uint32_t seq[4];
 	bool broken;
-	unsigned spin;	      /* idle polls before yielding */
 	bool oversub;	      /* more ranks than cores (a group on one host is assumed) */
 	enum ro_ep_mode mode; /* of the current exchange */
 	uint32_t passes, fwd_calls, layer;
@@ -91,17 +89,8 @@ struct ro_ep {
 	struct ro_ep_stats st;
 };
 
-static int fail(struct ro_ep *ep, int r, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int fail(struct ro_ep *ep, int r, const char *fmt, ...)
-{
-	va_list ap;
-
-	va_start(ap, fmt);
-	(void)vsnprintf(ep->err, sizeof(ep->err), fmt, ap);
-	va_end(ap);
-	return r;
-}
+/* The message of a failure, beside its code (the rank's errmsg). */
+#define fail(ep, r, ...) ro_errf((ep)->err, sizeof((ep)->err), (r), __VA_ARGS__)
 
 /* A failed exchange leaves the group out of step: refuse everything after it. */
 static int broken(struct ro_ep *ep, int r)
@@ -110,20 +99,18 @@ static int broken(struct ro_ep *ep, int r)
 	return r;
 }
 
-static int64_t mono_ms(void)
+/* Where rows from rank src start in rank dst's dispatch area: a fixed slot in low-latency
+ * mode, after the rows of the ranks before src in throughput mode (the counts every rank
+ * has all-gathered). */
+static uint32_t disp_base(const struct ro_ep *ep, bool ll, uint32_t src, uint32_t dst)
 {
-	struct timespec ts;
+	uint32_t base = 0;
 
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static double mono_msf(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+	if (ll)
+		return src * ep->ll;
+	for (uint32_t s = 0; s < src; s++)
+		base += ep->cnt[s][dst][0];
+	return base;
 }
 
 static size_t align64(size_t n)
@@ -207,7 +194,6 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 	ep->cesz = o->combine_dtype == RO_EP_BF16 ? 2 : 4;
 	ep->sum = o->combine_sum;
 	ep->oversub = sysconf(_SC_NPROCESSORS_ONLN) < (long)o->world;
-	ep->spin = ep->oversub ? 1 : 256;
 	/* meta: the K expert ids (int16, -1 padded), then with combine_sum their K weights */
 	ep->dmeta = (ep->K * 2 + (ep->sum ? ep->K * 4 : 0) + 15) & ~(size_t)15;
 	ep->drow = ep->dmeta + ((ep->H * ep->desz + 15) & ~(size_t)15);
@@ -364,8 +350,8 @@ static bool complete(const struct ro_ep *ep, enum kind k, uint32_t par)
 static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 {
 	const uint32_t par = ep->seq[k] & 1;
-	const int64_t deadline = mono_ms() + (ep->o.timeout_ms ? ep->o.timeout_ms : 10000);
-	int64_t last = mono_ms();
+	const int64_t deadline = ro_ep_mono_ms() + (ep->o.timeout_ms ? ep->o.timeout_ms : 10000);
+	int64_t last = ro_ep_mono_ms();
 	unsigned idle = 0;
 
 	for (;;) {
@@ -380,12 +366,12 @@ static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 		}
 		if (r > 0) {
 			idle = 0;
-			last = mono_ms();
+			last = ro_ep_mono_ms();
 			continue;
 		}
-		if (++idle < ep->spin)
+		if (!ep->oversub && ++idle < 256)
 			continue;
-		if (mono_ms() > deadline) {
+		if (ro_ep_mono_ms() > deadline) {
 			char late[160] = "";
 			size_t o = 0;
 
@@ -408,7 +394,7 @@ static int wait_all(struct ro_ep *ep, enum kind k, uint32_t layer)
 			struct timespec ts = {0, 1000};
 
 			nanosleep(&ts, NULL);
-		} else if (mono_ms() - last < 5) {
+		} else if (ro_ep_mono_ms() - last < 5) {
 			sched_yield();
 		} else {
 			struct timespec ts = {0, 20000};
@@ -538,9 +524,10 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 	uint8_t *send = (uint8_t *)ro_fab_send(ep->f) + ep->s_disp;
 	uint8_t *region = ro_fab_region(ep->f);
 	uint32_t cur[MAX_WORLD] = {0}, pc[MAX_WORLD] = {0};
-	double t0 = mono_msf(), t1;
+	double t0 = ro_ep_mono_msf(), t1;
 	size_t rows = 0, pairs = 0;
 	uint8_t *self, *dst[MAX_WORLD];
+	uint32_t base[MAX_WORLD]; /* where our rows start in each rank's region */
 	int r;
 
 	if (ep->broken)
@@ -596,28 +583,14 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 			       (size_t)W * 8);
 		consumed(ep, K_CNT);
 	}
-	{
-		uint32_t sbase = 0;
+	for (uint32_t d = 0; d < W; d++) {
+		uint8_t *pm = d == me ? NULL : ro_fab_peer_region(ep->f, d);
 
-		if (ll)
-			sbase = me * ep->ll;
-		else
-			for (uint32_t s = 0; s < me; s++)
-				sbase += ep->cnt[s][me][0];
-		self = region + ep->off_disp + (size_t)sbase * ep->drow;
-		for (uint32_t d = 0; d < W; d++) {
-			uint8_t *pm = d == me ? NULL : ro_fab_peer_region(ep->f, d);
-			uint32_t base = 0;
-
-			if (ll)
-				base = me * ep->ll;
-			else
-				for (uint32_t s = 0; s < me; s++)
-					base += ep->cnt[s][d][0];
-			dst[d] = pm ? pm + ep->off_disp + (size_t)base * ep->drow : NULL;
-		}
+		base[d] = disp_base(ep, ll, me, d);
+		dst[d] = pm ? pm + ep->off_disp + (size_t)base[d] * ep->drow : NULL;
 	}
-	t1 = mono_msf();
+	self = region + ep->off_disp + (size_t)base[me] * ep->drow;
+	t1 = ro_ep_mono_msf();
 	/* pack: each token once per destination, with the ids of that rank's experts */
 	for (uint32_t t = 0; t < tokens; t++) {
 		uint8_t *row[MAX_WORLD], *first = NULL;
@@ -654,18 +627,13 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 	ep->T = tokens;
 	ep->layer = layer;
 	ep->home_w = w;
-	ep->st.pack_ms += mono_msf() - t1;
+	ep->st.pack_ms += ro_ep_mono_msf() - t1;
 	{
 		const uint32_t par = ep->seq[K_DISP] & 1;
 
 		for (uint32_t i = 1; i <= W; i++) {
-			uint32_t d = (me + i) % W, base = 0;
+			uint32_t d = (me + i) % W;
 
-			if (ll)
-				base = me * ep->ll;
-			else
-				for (uint32_t s = 0; s < me; s++)
-					base += ep->cnt[s][d][0];
 			if (d == me) {
 				r = ro_fab_signal_self(
 				    ep->f, (size_t)ep->to_rows[d] * ep->drow,
@@ -684,7 +652,7 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 			}
 			r = ro_fab_write(ep->f, d, ep->s_disp + (size_t)ep->to_off[d] * ep->drow,
 					 (size_t)ep->to_rows[d] * ep->drow,
-					 ep->off_disp + (size_t)base * ep->drow,
+					 ep->off_disp + (size_t)base[d] * ep->drow,
 					 cq_data(K_DISP, par, me, layer, ep->to_rows[d]), ep->err,
 					 sizeof(ep->err));
 			if (r)
@@ -696,13 +664,7 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 		/* what arrived, by source */
 		for (uint32_t s = 0; s < W; s++) {
 			const struct arrival *a = &ep->arr[K_DISP][par][s];
-			uint32_t base = 0;
-
-			if (ll)
-				base = s * ep->ll;
-			else
-				for (uint32_t s2 = 0; s2 < s; s2++)
-					base += ep->cnt[s2][me][0];
+			const uint32_t from = disp_base(ep, ll, s, me);
 			if ((ll && a->n > ep->ll) || (!ll && a->n != ep->cnt[s][me][0]))
 				return broken(ep, fail(ep, -EPROTO,
 						       "ep: rank %u sent %u rows, expected %u", s,
@@ -711,7 +673,7 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 			ep->from_pairs[s] = 0;
 			for (uint32_t i = 0; i < a->n; i++) {
 				const uint8_t *row =
-				    region + ep->off_disp + (size_t)(base + i) * ep->drow;
+				    region + ep->off_disp + (size_t)(from + i) * ep->drow;
 				const int16_t *meta = (const int16_t *)row;
 				const float *xr = (const float *)(row + ep->dmeta);
 
@@ -752,13 +714,13 @@ int ro_ep_dispatch(struct ro_ep *ep, uint32_t layer, const float *x, const int32
 	ep->st.exchanges++;
 	ep->st.ll_exchanges += ll;
 	ep->st.dispatch_bytes += (uint64_t)ep->to_off[W] * ep->H * ep->desz;
-	ep->st.dispatch_ms += mono_msf() - t0;
+	ep->st.dispatch_ms += ro_ep_mono_msf() - t0;
 	return 0;
 }
 
 int ro_ep_decode(struct ro_ep *ep)
 {
-	double t0 = mono_msf();
+	double t0 = ro_ep_mono_msf();
 
 	if (ep->desz == 4 || ep->b.x)
 		return 0;
@@ -772,7 +734,7 @@ int ro_ep_decode(struct ro_ep *ep)
 		ep->pair_x[p] = ep->xptr[ep->pair_row[p]];
 	ep->b.x = ep->xptr;
 	ep->b.pair_x = ep->pair_x;
-	ep->st.decode_ms += mono_msf() - t0;
+	ep->st.decode_ms += ro_ep_mono_msf() - t0;
 	return 0;
 }
 
@@ -820,7 +782,7 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 	const uint32_t par = ep->seq[K_COMB] & 1;
 	const uint32_t *from = ep->sum ? ep->from_rows : ep->from_pairs;
 	const uint8_t *rbase[MAX_WORLD];
-	double t0 = mono_msf();
+	double t0 = ro_ep_mono_msf();
 	size_t sent = 0, self_off = 0, off_s[MAX_WORLD], roff_s[MAX_WORLD];
 	bool direct[MAX_WORLD];
 	int r = 0;
@@ -944,7 +906,7 @@ int ro_ep_combine(struct ro_ep *ep, float *out)
 	}
 	consumed(ep, K_COMB);
 	ep->st.combine_bytes += (uint64_t)sent * H * ep->cesz;
-	ep->st.combine_ms += mono_msf() - t0;
+	ep->st.combine_ms += ro_ep_mono_msf() - t0;
 	return 0;
 }
 
@@ -954,7 +916,7 @@ static int ctl_allgather(struct ro_ep *ep, const struct ctl_rec *mine, struct ct
 {
 	const uint32_t par = ep->seq[K_CTL] & 1;
 	const uint8_t *region = ro_fab_region(ep->f);
-	double t0 = mono_msf();
+	double t0 = ro_ep_mono_msf();
 	int r;
 
 	if (ep->broken)
@@ -973,7 +935,7 @@ static int ctl_allgather(struct ro_ep *ep, const struct ctl_rec *mine, struct ct
 		       sizeof(all[s]));
 	consumed(ep, K_CTL);
 	ep->st.syncs++;
-	ep->st.sync_ms += mono_msf() - t0;
+	ep->st.sync_ms += ro_ep_mono_msf() - t0;
 	return 0;
 }
 

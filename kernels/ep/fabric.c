@@ -3,7 +3,6 @@
  * writes with remote CQ data, and a completion loop that turns every provider error into
  * -errno with a message naming the peer. Nothing here waits: dispatch.c owns deadlines. */
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -285,11 +284,6 @@ size_t ro_fab_chunk(const struct ro_fab *f)
 	return f->chunk;
 }
 
-uint64_t ro_fab_pending(const struct ro_fab *f)
-{
-	return f->pending;
-}
-
 int ro_fab_card(struct ro_fab *f, void *buf, size_t *ret_len)
 {
 	struct card c = {.magic = CARD_MAGIC};
@@ -459,14 +453,6 @@ int ro_fab_poll(struct ro_fab *f, ro_fab_data_fn on_data, void *arg, char *err, 
 
 /* Post one write, progressing the queue while the provider says -FI_EAGAIN or every
  * context is in flight. Arrivals seen meanwhile are stashed for the caller's next poll. */
-static int64_t mono_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static int post(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t roff,
 		uint32_t data, char *err, size_t errlen)
 {
@@ -495,8 +481,8 @@ static int post(struct ro_fab *f, uint32_t peer, size_t soff, size_t len, size_t
 		if (r < 0)
 			return (int)r;
 		if (tries == 0)
-			deadline = mono_ms() + f->timeout_ms;
-		else if (!(tries & 255) && mono_ms() > deadline)
+			deadline = ro_ep_mono_ms() + f->timeout_ms;
+		else if (!(tries & 255) && ro_ep_mono_ms() > deadline)
 			return ro_errf(err, errlen, -ETIMEDOUT,
 				       "rank %u late: a write to it not accepted after %u ms", peer,
 				       f->timeout_ms);
@@ -541,14 +527,14 @@ int ro_fab_signal_self(struct ro_fab *f, size_t len, uint32_t data)
 
 int ro_fab_drain_tx(struct ro_fab *f, char *err, size_t errlen)
 {
-	const int64_t deadline = mono_ms() + f->timeout_ms;
+	const int64_t deadline = ro_ep_mono_ms() + f->timeout_ms;
 
 	while (f->pending) {
 		int r = drain_cq(f, NULL, NULL, err, errlen);
 
 		if (r < 0)
 			return r;
-		if (!r && mono_ms() > deadline)
+		if (!r && ro_ep_mono_ms() > deadline)
 			return ro_errf(err, errlen, -ETIMEDOUT,
 				       "%llu writes not completed after %u ms (a peer gone?)",
 				       (unsigned long long)f->pending, f->timeout_ms);

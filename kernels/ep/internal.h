@@ -6,6 +6,24 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
+
+/* Monotonic time for deadlines (ms) and timings (fractional ms). */
+static inline int64_t ro_ep_mono_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static inline double ro_ep_mono_msf(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
 
 struct ro_fab;
 
@@ -51,5 +69,3 @@ typedef void (*ro_fab_data_fn)(void *arg, uint32_t data);
 int ro_fab_poll(struct ro_fab *f, ro_fab_data_fn on_data, void *arg, char *err, size_t errlen);
 /* How long a write may wait for the provider to accept it (default 10 s). */
 void ro_fab_set_timeout(struct ro_fab *f, uint32_t ms);
-/* Writes posted and not yet completed locally. */
-uint64_t ro_fab_pending(const struct ro_fab *f);
