@@ -159,6 +159,23 @@ static struct fi_info *make_hints(const char *provider)
 	return h;
 }
 
+/* shm names its segment in /dev/shm after the pid by default; a rank killed with SIGKILL
+ * leaves it behind, and a later process given the same pid then cannot open its endpoint
+ * (EBUSY). A name that is ours alone: pid and the time it starts. */
+static int shm_name(struct ro_fab *f)
+{
+	struct timespec ts;
+	char name[64];
+
+	if (strcmp(f->prov, "shm"))
+		return 0;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	(void)snprintf(name, sizeof(name), "rolloutd-ep-%d-%llx", (int)getpid(),
+		       (unsigned long long)ts.tv_sec * 1000000000ull +
+			   (unsigned long long)ts.tv_nsec);
+	return fi_setname(&f->ep->fid, name, strlen(name) + 1);
+}
+
 int ro_fab_open(const char *provider, size_t region_len, size_t send_len, bool direct,
 		struct ro_fab **ret, char *err, size_t errlen)
 {
@@ -242,7 +259,7 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, bool d
 	}
 	if ((r = fi_av_open(f->domain, &ava, &f->av, NULL)) ||
 	    (r = fi_cq_open(f->domain, &cqa, &f->cq, NULL)) ||
-	    (r = fi_endpoint(f->domain, f->info, &f->ep, NULL)) ||
+	    (r = fi_endpoint(f->domain, f->info, &f->ep, NULL)) || (r = shm_name(f)) ||
 	    (r = fi_ep_bind(f->ep, &f->av->fid, 0)) ||
 	    (r = fi_ep_bind(f->ep, &f->cq->fid, FI_TRANSMIT | FI_RECV)) || (r = fi_enable(f->ep))) {
 		r = ro_errf(err, errlen, fierr(r), "opening the %s endpoint: %s", f->prov,
