@@ -249,14 +249,12 @@ static void write_metrics(const struct ro_agent *a)
 	f = fopen(tmp, "w");
 	if (!f)
 		return;
-#define C(name, help, v)                                                                          \
-	(void)fprintf(f, "# HELP rolloutd_" name " " help "\n# TYPE rolloutd_" name                \
-			 " counter\nrolloutd_" name "{worker=\"%s\"} %llu\n",                    \
-		      a->worker, (unsigned long long)(v))
-#define G(name, help, fmt, v)                                                                     \
-	(void)fprintf(f, "# HELP rolloutd_" name " " help "\n# TYPE rolloutd_" name                \
-			 " gauge\nrolloutd_" name "{worker=\"%s\"} " fmt "\n",                   \
+#define M(type, name, help, fmt, v)                                                               \
+	(void)fprintf(f, "# HELP rolloutd_" name " " help "\n# TYPE rolloutd_" name " " type      \
+			 "\nrolloutd_" name "{worker=\"%s\"} " fmt "\n",                          \
 		      a->worker, v)
+#define C(name, help, v) M("counter", name, help, "%llu", (unsigned long long)(v))
+#define G(name, help, fmt, v) M("gauge", name, help, fmt, v)
 	C("units_claimed_total", "Units claimed.", a->n.claimed);
 	C("units_completed_total", "Units completed by this worker.", a->n.completed);
 	C("units_requeued_total", "Units requeued (drain).", a->n.requeued);
@@ -283,10 +281,12 @@ static void write_metrics(const struct ro_agent *a)
 		  st.exchanges);
 		C("ep_dispatch_bytes_total", "Payload bytes dispatched.", st.dispatch_bytes);
 		C("ep_combine_bytes_total", "Payload bytes combined back.", st.combine_bytes);
-		G("ep_dispatch_seconds_total", "Time in dispatch.", "%.3f", st.dispatch_ms / 1e3);
-		G("ep_combine_seconds_total", "Time in combine.", "%.3f", st.combine_ms / 1e3);
-		G("ep_group_step_seconds_total", "Time in the group's step all-gathers.", "%.3f",
-		  st.sync_ms / 1e3);
+		M("counter", "ep_dispatch_seconds_total", "Time in dispatch.", "%.3f",
+		  st.dispatch_ms / 1e3);
+		M("counter", "ep_combine_seconds_total", "Time in combine.", "%.3f",
+		  st.combine_ms / 1e3);
+		M("counter", "ep_group_step_seconds_total", "Time in the group's step all-gathers.",
+		  "%.3f", st.sync_ms / 1e3);
 		G("ep_failed", "1 once the group failed.", "%d", a->ep_failed ? 1 : 0);
 	}
 	(void)fprintf(f, "# HELP rolloutd_state Current state.\n# TYPE rolloutd_state gauge\n");
@@ -295,6 +295,7 @@ static void write_metrics(const struct ro_agent *a)
 			      ro_state_name((enum ro_state)s), a->state == (enum ro_state)s);
 #undef C
 #undef G
+#undef M
 	if (fclose(f) == 0)
 		(void)rename(tmp, path); /* atomic: the collector never reads half a file */
 	else
