@@ -1,6 +1,7 @@
 /* The mock IMDS as a child process of a test: python3 on imds/mock_imds.py, port handed
  * back through a file in a mkdtemp directory, stopped with SIGTERM then SIGKILL. */
 #include "tests/mock_fixture.h"
+#include "tests/testutil.h"
 
 #include <curl/curl.h>
 #include <errno.h>
@@ -17,13 +18,6 @@
 #include <unistd.h>
 
 #include "config.h"
-
-static void msleep(long ms)
-{
-	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
-
-	(void)nanosleep(&ts, NULL);
-}
 
 static const char *script(void)
 {
@@ -84,7 +78,7 @@ static int spawn(struct ro_test_mock *mk, const char *const *args)
 			mk->pid = 0;
 			return -EADDRINUSE;
 		}
-		msleep(10);
+		ro_test_msleep(10);
 	}
 	return -ETIMEDOUT;
 }
@@ -104,7 +98,7 @@ int ro_test_mock_start(struct ro_test_mock *mk, int port, const char *const *arg
 		r = spawn(mk, args);
 		if (r != -EADDRINUSE || !port)
 			break;
-		msleep(100);
+		ro_test_msleep(100);
 	}
 	if (r)
 		(void)fprintf(stderr, "fixture: mock IMDS did not start: %s\n", strerror(-r));
@@ -137,7 +131,7 @@ void ro_test_mock_stop(struct ro_test_mock *mk)
 				mk->pid = 0;
 				break;
 			}
-			msleep(10);
+			ro_test_msleep(10);
 		}
 	}
 	ro_test_mock_kill(mk);

@@ -2,6 +2,7 @@
  * directory, a free port on 127.0.0.1, no persistence unless a test asks for AOF, and a
  * death signal tied to the parent so a crashed runner leaves no server behind. */
 #include "tests/redis_fixture.h"
+#include "tests/testutil.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -33,13 +34,6 @@ static int free_port(void)
 		port = ntohs(a.sin_port);
 	(void)close(fd);
 	return port;
-}
-
-static void msleep(long ms)
-{
-	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
-
-	(void)nanosleep(&ts, NULL);
 }
 
 static int spawn(struct ro_test_redis *r)
@@ -93,7 +87,7 @@ static int spawn(struct ro_test_redis *r)
 		} else if (c) {
 			redisFree(c);
 		}
-		msleep(10);
+		ro_test_msleep(10);
 	}
 	return -ETIMEDOUT;
 }
@@ -135,7 +129,7 @@ static void reap_child(struct ro_test_redis *r, int sig)
 			r->pid = 0;
 			return;
 		}
-		msleep(10);
+		ro_test_msleep(10);
 	}
 	(void)kill(r->pid, SIGKILL);
 	(void)waitpid(r->pid, NULL, 0);
@@ -239,14 +233,6 @@ long long ro_test_int(redisContext *c, const char *fmt, ...)
 	return v;
 }
 
-static int64_t now_ms(void)
-{
-	struct timespec ts;
-
-	(void)clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 static bool transient(int r)
 {
 	return r == -EIO || r == -ETIMEDOUT || r == -EAGAIN;
@@ -327,7 +313,7 @@ static int publish_one(struct ro_queue *q, const struct ro_claim *c, uint32_t id
 
 	do
 		r = ro_queue_publish(q, c, &s, 1, false, ids, NULL);
-	while (transient(r) && now_ms() < end);
+	while (transient(r) && ro_test_mono_ms() < end);
 	return r;
 }
 
@@ -335,10 +321,10 @@ long ro_test_worker_run(const char *url, const char *queue, const char *worker, 
 			int seconds, uint32_t lease_ms, bool die_on_poison)
 {
 	struct ro_queue *q = ro_test_queue(url, queue, worker, 3);
-	int64_t end = now_ms() + seconds * 1000L;
+	int64_t end = ro_test_mono_ms() + seconds * 1000L;
 	long completed = 0;
 
-	while (now_ms() < end) {
+	while (ro_test_mono_ms() < end) {
 		struct ro_claim *c = NULL;
 		size_t n = 0;
 		int r = ro_queue_claim(q, 4, lease_ms, &c, &n);
@@ -372,7 +358,7 @@ long ro_test_worker_run(const char *url, const char *queue, const char *worker, 
 				continue; /* lease lost (or time up): someone else finishes it */
 			do
 				r = ro_queue_complete(q, &c[i], gid);
-			while (transient(r) && now_ms() < end);
+			while (transient(r) && ro_test_mono_ms() < end);
 			if (!r)
 				completed++;
 		}

@@ -21,6 +21,7 @@
 #include "kernels/model.h"
 #include "tests/mock_fixture.h"
 #include "tests/redis_hooks.h"
+#include "tests/testutil.h"
 
 static char dir[64];
 static char model[128];
@@ -31,21 +32,6 @@ static unsigned scaled(unsigned tokens)
 	const char *s = getenv("RO_SANITIZED");
 
 	return s && *s == '1' ? tokens / 8 + 8 : tokens;
-}
-
-static int64_t now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_REALTIME, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static void msleep(long ms)
-{
-	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
-
-	nanosleep(&ts, NULL);
 }
 
 static void setup(void)
@@ -164,7 +150,7 @@ static int wait_exit(struct agent *ag, long ms)
 			ag->pid = 0;
 			return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 		}
-		msleep(20);
+		ro_test_msleep(20);
 	}
 	(void)kill(ag->pid, SIGKILL);
 	(void)waitpid(ag->pid, &st, 0);
@@ -243,7 +229,7 @@ static bool wait_done(redisContext *c, const char *q, long want, long ms)
 	for (long t = 0; t < ms; t += 50) {
 		if (done_count(c, q) >= want)
 			return true;
-		msleep(50);
+		ro_test_msleep(50);
 	}
 	return false;
 }
@@ -384,13 +370,13 @@ Test(agent, spot_notice_drains_before_the_deadline)
 	start(&a, "a", q, av, NULL);
 	/* wait until it is well into the long units */
 	for (int i = 0; i < 200 && ro_test_int(c, "XLEN ro:{%s}:samples", q) < 8; i++)
-		msleep(50);
-	notice = now_ms() + 3000;
+		ro_test_msleep(50);
+	notice = ro_test_wall_ms() + 3000;
 	(void)snprintf(fire, sizeof(fire), "spot?in=0&time=%lld", (long long)(notice / 1000 + 1));
 	notice = (notice / 1000 + 1) * 1000;
 	free(ro_test_mock_ctl(&mk, fire));
 	cr_assert_eq(wait_exit(&a, 10000), 0, "the notified agent exits 0");
-	exited = now_ms();
+	exited = ro_test_wall_ms();
 	cr_expect_lt(exited, notice, "exited %lld ms before the notice time", (long long)(notice - exited));
 	cr_expect_gt(ro_test_int(c, "LLEN ro:{%s}:pending", q), 0, "requeued units wait at the head");
 	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
@@ -432,7 +418,7 @@ Test(agent, sigkill_loses_at_most_one_checkpoint_interval)
 
 		if (u > worst)
 			worst = u;
-		msleep(50);
+		ro_test_msleep(50);
 	}
 	cr_expect_leq(worst, 8, "a sequence never runs more than checkpoint-tokens ahead of its "
 				"checkpoint (saw %.0f)",
@@ -479,7 +465,7 @@ static void drain_by(const char *how)
 	extra[n] = NULL;
 	start(&a, "a", q, extra, NULL);
 	for (int i = 0; i < 100 && field(status(&a, "status\n"), "in_flight") < 1; i++)
-		msleep(50);
+		ro_test_msleep(50);
 	if (!strcmp(how, "sigterm")) {
 		kill(a.pid, SIGTERM);
 	} else if (!strcmp(how, "ctl")) {
@@ -544,9 +530,9 @@ Test(agent, rebalance_stop_claiming_and_ignore)
 	      (const char *const[]){"--imds-endpoint", ep, "--imds-poll-ms", "100",
 				    "--imds-slow-poll-ms", "100", "--rebalance", "ignore", NULL},
 	      NULL);
-	msleep(500);
+	ro_test_msleep(500);
 	free(ro_test_mock_ctl(&mk, "rebalance?in=0"));
-	msleep(1500);
+	ro_test_msleep(1500);
 	cr_expect(strstr(status(&a, "status\n"), "\"stop_claiming\":true"), "%s",
 		  status(&a, "status\n"));
 	cr_expect(strstr(status(&a, "status\n"), "\"state\":\"running\""));
@@ -574,12 +560,12 @@ Test(agent, backpressure_stops_and_resumes_claims)
 				    "--max-inflight", "4", NULL},
 	      NULL);
 	for (int i = 0; i < 100 && !strstr(status(&a, "status\n"), "\"backpressure\":true"); i++)
-		msleep(50);
+		ro_test_msleep(50);
 	cr_assert(strstr(status(&a, "status\n"), "\"backpressure\":true"), "%s",
 		  status(&a, "status\n"));
-	msleep(1500);
+	ro_test_msleep(1500);
 	done_then = done_count(c, q);
-	msleep(1000);
+	ro_test_msleep(1000);
 	cr_expect_eq(done_count(c, q), done_then, "no claims while the trainer is behind");
 	cr_expect_lt(done_then, 40);
 	/* the trainer reads and acknowledges everything: claims resume */
@@ -595,7 +581,7 @@ Test(agent, backpressure_stops_and_resumes_claims)
 				    r->element[0]->element[1]->element[i]->element[0]->str));
 		if (r)
 			freeReplyObject(r);
-		msleep(50);
+		ro_test_msleep(50);
 	}
 	cr_expect_eq(done_count(c, q), 40, "all units done once the trainer caught up");
 	kill(a.pid, SIGTERM);
@@ -633,7 +619,7 @@ Test(agent, notify_protocol_in_order)
 			cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0);
 			a.pid = 0;
 		}
-		msleep(20);
+		ro_test_msleep(20);
 	}
 	cr_assert_eq(a.pid, 0, "exited after SIGTERM");
 	for (ssize_t n; (n = recv(fd, buf, sizeof(buf) - 1, MSG_DONTWAIT)) > 0;) {
@@ -742,7 +728,7 @@ Test(agent, bad_units_dead_lettered_with_reasons_policy_respected)
 	      NULL);
 	cr_assert(wait_done(c, q, 1, 20000));
 	for (int i = 0; i < 100 && ro_test_int(c, "LLEN ro:{%s}:dead", q) < 2; i++)
-		msleep(50);
+		ro_test_msleep(50);
 	cr_expect_eq(ro_test_int(c, "LLEN ro:{%s}:dead", q), 2);
 	r = redisCommand(c, "HGET ro:{%s}:unit:vocab reason", q);
 	cr_expect(r && r->str && strstr(r->str, "vocab"), "%s", r && r->str ? r->str : "(none)");
@@ -798,8 +784,8 @@ static bool log_has(const struct agent *ag, const char *what)
 static void wait_working(const struct agent *g)
 {
 	for (int i = 0; i < 200 && !log_has(g, "claimed u-"); i++)
-		msleep(50);
-	msleep(500);
+		ro_test_msleep(50);
+	ro_test_msleep(500);
 }
 
 /* EP = 2 (tcp on lo) and EP = 4 (shm) groups generate the units; every sample bitwise the
@@ -934,13 +920,13 @@ Test(agent, ep_rank_killed_fails_fast, .timeout = 240)
 	      fi_env);
 	wait_working(&g);
 	for (int i = 0; i < 50 && (nk = children(g.pid, kids, 8)) < 3; i++)
-		msleep(50);
+		ro_test_msleep(50);
 	cr_assert_eq(nk, 3, "three ranks running");
-	t0 = now_ms();
+	t0 = ro_test_wall_ms();
 	kill(kids[2], SIGKILL);
 	rc = wait_exit(&g, 20000);
 	cr_expect(rc != 0 && rc != -1, "the group exits non-zero for its supervisor (got %d)", rc);
-	cr_expect_lt(now_ms() - t0, 15000, "the others noticed within the timeout");
+	cr_expect_lt(ro_test_wall_ms() - t0, 15000, "the others noticed within the timeout");
 	cr_expect(log_has(&g, "expert-parallel group failed: .*rank"),
 		  "the error names the late rank");
 	cr_expect(log_has(&g, "requeued u-"), "the surviving ranks requeued what they held");

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "tests/redis_fixture.h"
+#include "tests/testutil.h"
 
 static struct ro_test_redis S;
 static redisContext *R;
@@ -34,13 +35,6 @@ static void teardown(void)
 }
 
 TestSuite(faults, .init = setup, .fini = teardown, .timeout = 120);
-
-static void msleep(long ms)
-{
-	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
-
-	(void)nanosleep(&ts, NULL);
-}
 
 /* After the watched function was sent: wait until its effect is visible (so it did run),
  * then kill the sender's connection with CLIENT KILL. The server may have written the
@@ -65,7 +59,7 @@ static void kill_after_send(void *arg, const char *fn, int fd)
 	k->fired = 1;
 	c = ro_test_redis_connect(S.url);
 	for (int i = 0; i < 200 && ro_test_int(c, k->when) < 1; i++)
-		msleep(5);
+		ro_test_msleep(5);
 	rep = redisCommand(c, "CLIENT LIST");
 	for (line = strtok_r(rep->str, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
 		char name[160];
@@ -201,11 +195,11 @@ Test(faults, redis_restart_mid_run_loses_nothing)
 		if (done >= units / 4) {
 			cr_assert_lt(done, units, "the run ended before the restart");
 			ro_test_redis_kill(&S);
-			msleep(700);
+			ro_test_msleep(700);
 			cr_assert_eq(ro_test_redis_restart(&S), 0);
 			restarted = 1;
 		} else {
-			msleep(5);
+			ro_test_msleep(5);
 		}
 	}
 	cr_assert(restarted);

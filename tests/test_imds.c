@@ -10,6 +10,7 @@
 
 #include "imds/imds.h"
 #include "tests/mock_fixture.h"
+#include "tests/testutil.h"
 
 static struct ro_test_mock mk;
 
@@ -57,21 +58,6 @@ static void ctl(const char *what)
 	free(r);
 }
 
-static int64_t now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_REALTIME, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static void msleep(long ms)
-{
-	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
-
-	nanosleep(&ts, NULL);
-}
-
 /* ---- reads ------------------------------------------------------------------------ */
 
 TestSuite(reads, .init = start_v2_only, .fini = stop, .timeout = 30);
@@ -114,7 +100,7 @@ Test(reads, rebalance)
 	cr_assert_eq(ro_imds_rebalance(m, &t), -ENOENT);
 	ctl("rebalance?in=0");
 	cr_assert_eq(ro_imds_rebalance(m, &t), 0, "%s", ro_imds_errmsg(m));
-	cr_expect_leq(llabs(t - now_ms()), 2000);
+	cr_expect_leq(llabs(t - ro_test_wall_ms()), 2000);
 	ro_imds_free(m);
 }
 
@@ -148,7 +134,7 @@ Test(reads, maintenance)
 	cr_expect_str_eq(ev[0].code, "system-reboot");
 	cr_expect_str_eq(ev[0].state, "active");
 	cr_expect_eq(strncmp(ev[0].id, "instance-event-", 15), 0);
-	cr_expect_leq(llabs(ev[0].not_before_ms - (now_ms() + 3600000)), 2000);
+	cr_expect_leq(llabs(ev[0].not_before_ms - (ro_test_wall_ms() + 3600000)), 2000);
 	free(ev);
 	ro_imds_free(m);
 }
@@ -193,7 +179,7 @@ Test(reads, token_renewed_before_expiry)
 
 	for (int i = 0; i < 18; i++) {
 		cr_assert_eq(ro_imds_lifecycle(m, st, sizeof(st)), 0, "%s", ro_imds_errmsg(m));
-		msleep(200);
+		ro_test_msleep(200);
 	}
 	cr_expect_eq(ro_test_mock_count(&mk, "401"), 0);
 	cr_expect_geq(ro_test_mock_count(&mk, "put"), 2);
@@ -210,7 +196,7 @@ Test(reads, granted_ttl_is_honoured)
 	ctl("token?max_ttl=1");
 	for (int i = 0; i < 10; i++) {
 		cr_assert_eq(ro_imds_lifecycle(m, st, sizeof(st)), 0, "%s", ro_imds_errmsg(m));
-		msleep(200);
+		ro_test_msleep(200);
 	}
 	cr_expect_eq(ro_test_mock_count(&mk, "401"), 0);
 	cr_expect_geq(ro_test_mock_count(&mk, "put"), 2);
@@ -443,7 +429,7 @@ Test(watch, notice_reported_on_the_next_poll_once)
 
 	drain_events(w, 1, ev, 8);
 	ctl("spot?in=0&action=terminate");
-	fired = now_ms();
+	fired = ro_test_wall_ms();
 	polls = ro_imds_watch_polls(w);
 	/* watch_next polls on its own schedule; the notice must come from the first poll
 	 * after it was posted (the latency itself is measured by tests/bench/imds_bench) */
@@ -476,7 +462,7 @@ Test(watch, moving_time_is_one_notice)
 	n = 0;
 	for (int i = 0; i < 4; i++) {
 		n += drain_events(w, 1, ev + n, 8 - n);
-		msleep(1100); /* the served time moves by a second */
+		ro_test_msleep(1100); /* the served time moves by a second */
 	}
 	cr_expect_eq(n, 1);
 	cr_expect_eq(ev[0].kind, RO_IMDS_EV_INTERRUPTION);
@@ -510,7 +496,7 @@ Test(watch, past_time_and_hibernate_now)
 
 	drain_events(w, 1, ev, 8);
 	(void)snprintf(q, sizeof(q), "spot?in=0&action=hibernate&time=%lld",
-		       (long long)(now_ms() / 1000 - 30));
+		       (long long)(ro_test_wall_ms() / 1000 - 30));
 	ctl(q);
 	cr_assert_eq(drain_events(w, 1, ev, 8), 1);
 	cr_expect_eq(ev[0].kind, RO_IMDS_EV_INTERRUPTION);
@@ -653,8 +639,8 @@ Test(watch, down_30s_then_back)
 	cr_assert_eq(ro_imds_watch_next(w, 2000, &e), 0);
 	cr_assert_eq(e.kind, RO_IMDS_EV_LIFECYCLE);
 	ro_test_mock_kill(&mk);
-	t0 = now_ms();
-	while (now_ms() - t0 < 30000) {
+	t0 = ro_test_wall_ms();
+	while (ro_test_wall_ms() - t0 < 30000) {
 		if (ro_imds_watch_next(w, 500, &e))
 			continue;
 		if (e.kind == RO_IMDS_EV_UNREACHABLE) {
@@ -666,8 +652,8 @@ Test(watch, down_30s_then_back)
 	}
 	cr_expect_eq(unreachable, 1, "reported once, not once per poll");
 	cr_assert_eq(ro_test_mock_start(&mk, port, (const char *const[]){"--imdsv2", NULL}), 0);
-	t0 = now_ms();
-	while (now_ms() - t0 < 3000) {
+	t0 = ro_test_wall_ms();
+	while (ro_test_wall_ms() - t0 < 3000) {
 		if (ro_imds_watch_next(w, 500, &e))
 			continue;
 		if (e.kind == RO_IMDS_EV_RECOVERED)

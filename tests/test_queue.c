@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "tests/redis_hooks.h"
+#include "tests/testutil.h"
 
 static redisContext *R;
 static char Q[96];
@@ -29,13 +30,6 @@ static void teardown(void)
 }
 
 TestSuite(queue, .init = setup, .fini = teardown, .timeout = 60);
-
-static void msleep(long ms)
-{
-	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
-
-	(void)nanosleep(&ts, NULL);
-}
 
 static struct ro_queue *open_q(const char *worker)
 {
@@ -242,7 +236,7 @@ Test(queue, stale_token_is_refused_and_writes_nothing)
 
 	enqueue(a, "u1", 2);
 	cr_assert_eq(ro_queue_claim(a, 1, 150, &ca, &na), 1);
-	msleep(300);
+	ro_test_msleep(300);
 	/* B's claim reaps the expired lease and takes the unit on attempt 2 */
 	cr_assert_eq(ro_queue_claim(b, 1, 10000, &cb, &nb), 1);
 	cr_assert_str_eq(cb[0].id, "u1");
@@ -282,7 +276,7 @@ Test(queue, expired_lease_refuses_writes_before_any_reaper)
 
 	enqueue(a, "u1", 1);
 	cr_assert_eq(ro_queue_claim(a, 1, 100, &c, &n), 1);
-	msleep(250);
+	ro_test_msleep(250);
 	cr_assert_eq(ro_queue_publish(a, c, &s, 1, true, ids, NULL), -ESTALE);
 	cr_assert_eq(xlen("samples"), 0);
 	ro_claims_free(c, n);
@@ -306,7 +300,7 @@ Test(queue, renew_keeps_the_lease)
 	pc[0] = &c[0];
 	pc[1] = &c[1];
 	for (int i = 0; i < 5; i++) {
-		msleep(300);
+		ro_test_msleep(300);
 		cr_assert_eq(ro_queue_renew(q, pc, 2, 1000, ok), 0);
 		cr_assert(ok[0] && ok[1]);
 	}
@@ -428,7 +422,7 @@ Test(queue, reap_requeues_then_dead_letters)
 	enqueue(q, "u1", 1);
 	cr_assert_eq(ro_queue_claim(q, 1, 50, &c, &n), 1);
 	ro_claims_free(c, n);
-	msleep(120);
+	ro_test_msleep(120);
 	cr_assert_eq(ro_queue_reap(q, &req, &dead), 0);
 	cr_assert_eq(req, 1);
 	cr_assert_eq(dead, 0);
@@ -437,7 +431,7 @@ Test(queue, reap_requeues_then_dead_letters)
 	cr_assert_eq(ro_queue_claim(q, 1, 50, &c, &n), 1);
 	cr_assert_eq(c[0].attempt, 2);
 	ro_claims_free(c, n);
-	msleep(120);
+	ro_test_msleep(120);
 	cr_assert_eq(ro_queue_reap(q, &req, &dead), 0);
 	cr_assert_eq(req, 0);
 	cr_assert_eq(dead, 1);
@@ -468,7 +462,7 @@ Test(queue, a_unit_that_failed_a_lease_is_claimed_alone)
 	ro_claims_free(c, n);
 	enqueue(q, "f1", 1);
 	enqueue(q, "f2", 1);
-	msleep(120);
+	ro_test_msleep(120);
 	cr_assert_eq(ro_queue_reap(q, &req, &dead), 0);
 	cr_assert_eq(req, 1);
 	cr_assert_eq(ro_queue_claim(q, 8, 10000, &c, &n), 1);
@@ -559,7 +553,7 @@ Test(queue, idle_worker_wakes_on_enqueue)
 	if (pid == 0) {
 		struct ro_queue *p = open_q("producer");
 
-		msleep(200);
+		ro_test_msleep(200);
 		enqueue(p, "late", 1);
 		ro_queue_free(p);
 		_exit(0);

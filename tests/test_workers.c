@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "tests/redis_hooks.h"
+#include "tests/testutil.h"
 
 static redisContext *R;
 static char Q[96];
@@ -29,13 +30,6 @@ static void teardown(void)
 }
 
 TestSuite(workers, .init = setup, .fini = teardown, .timeout = 120);
-
-static void msleep(long ms)
-{
-	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
-
-	(void)nanosleep(&ts, NULL);
-}
 
 /* Claims one unit, publishes samples 0 and 1 of its 4, checkpoints sample 2 with a
  * three-token prefix, and dies. */
@@ -87,7 +81,7 @@ Test(workers, sigkill_mid_unit_resumes_from_the_checkpoint)
 		cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "child %d: status %d", i, st);
 	}
 	cr_assert_eq(ro_test_int(R, "XLEN ro:{%s}:samples", Q), 8);
-	msleep(500);
+	ro_test_msleep(500);
 	cr_assert_eq(ro_queue_reap(q, &req, &dead), 0);
 	cr_assert_eq(req, 4);
 	cr_assert_eq(dead, 0);

@@ -21,14 +21,7 @@
 #include "kernels/model.h"
 #include "tests/mock_fixture.h"
 #include "tests/redis_fixture.h"
-
-static int64_t wall_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_REALTIME, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
+#include "tests/testutil.h"
 
 static long long cmd_int(redisContext *c, const char *fmt, const char *q)
 {
@@ -138,24 +131,24 @@ int main(int argc, char **argv)
 	sleep(3);
 	{
 		char fire[96];
-		int64_t t = wall_ms() / 1000 + lead_s;
+		int64_t t = ro_test_wall_ms() / 1000 + lead_s;
 
 		(void)snprintf(fire, sizeof(fire), "spot?in=0&time=%lld", (long long)t);
-		fired = wall_ms();
+		fired = ro_test_wall_ms();
 		free(ro_test_mock_ctl(&mk, fire));
 	}
 	/* every unit requeued (none of these long units can finish in the lead time) */
-	while (wall_ms() - fired < 30000) {
+	while (ro_test_wall_ms() - fired < 30000) {
 		if (cmd_int(c, "LLEN ro:{%s}:pending", "bench") +
 			cmd_int(c, "HGET ro:{%s}:stats done", "bench") >=
 		    16) {
-			requeued_at = wall_ms();
+			requeued_at = ro_test_wall_ms();
 			break;
 		}
 		usleep(2000);
 	}
 	(void)waitpid(pid, &st, 0);
-	exited_at = wall_ms();
+	exited_at = ro_test_wall_ms();
 	{
 		/* the watcher's own timestamp of the event: detection, apart from poll phase */
 		FILE *f = fopen(logp, "r");

@@ -17,6 +17,7 @@
 
 #include "imds/imds.h"
 #include "tests/mock_fixture.h"
+#include "tests/testutil.h"
 
 static double cpu_s(void)
 {
@@ -25,14 +26,6 @@ static double cpu_s(void)
 	(void)getrusage(RUSAGE_SELF, &ru);
 	return (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + (double)ru.ru_stime.tv_sec +
 	       ru.ru_stime.tv_usec / 1e6;
-}
-
-static int64_t wall_ms(void)
-{
-	struct timespec ts;
-
-	(void)clock_gettime(CLOCK_REALTIME, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 static int cmp_d(const void *a, const void *b)
@@ -130,12 +123,12 @@ static double cpu_per_hour(struct ro_imds *m, uint32_t interval_ms, double secon
 {
 	struct ro_imds_watch *w = watcher(m, interval_ms);
 	struct ro_imds_event e;
-	int64_t end = wall_ms() + (int64_t)(seconds * 1000);
+	int64_t end = ro_test_wall_ms() + (int64_t)(seconds * 1000);
 	double c0 = cpu_s();
 	uint64_t polls;
 
-	while (wall_ms() < end)
-		(void)ro_imds_watch_next(w, (uint32_t)(end - wall_ms()), &e);
+	while (ro_test_wall_ms() < end)
+		(void)ro_imds_watch_next(w, (uint32_t)(end - ro_test_wall_ms()), &e);
 	polls = ro_imds_watch_polls(w);
 	ro_imds_watch_free(w);
 	(void)polls;
@@ -169,7 +162,7 @@ int main(int argc, char **argv)
 	}
 	if (notices < 1 || base_notices < 1 || !(cpu_seconds > 0) || cpu_seconds > 3600)
 		return 2;
-	srand((unsigned)wall_ms());
+	srand((unsigned)ro_test_wall_ms());
 	if (ro_test_mock_start(&mk, 0, (const char *const[]){"--imdsv2", NULL}))
 		return 1;
 	m = client(&mk);
