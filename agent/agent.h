@@ -75,6 +75,9 @@ struct ro_agent {
 /* worker.c */
 /* The model forward: alone, or as this rank's part of the EP group's collective. */
 int ro_agent_forward(struct ro_agent *a, struct ro_fwd_item *items, size_t count);
+/* This rank's round of the group: join the forwards other ranks still make, tell them our
+ * drain, take theirs (the earliest deadline wins). */
+void ro_agent_ep_round(struct ro_agent *a);
 int ro_worker_claim(struct ro_agent *a);
 int ro_worker_step(struct ro_agent *a);
 void ro_worker_housekeeping(struct ro_agent *a);

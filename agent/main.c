@@ -547,35 +547,6 @@ static int ep_setup(struct ro_agent *a)
 	return 0;
 }
 
-/* This rank's round of the group: join the forwards other ranks still make, tell them our
- * drain, take theirs (the earliest deadline wins). */
-static void ep_round(struct ro_agent *a)
-{
-	struct ro_ep_note note = {.draining = a->state != RO_RUNNING,
-				  .done = a->state == RO_DRAINED && !a->units,
-				  .deadline_ms = a->deadline_wall_ms};
-	struct ro_ep_group g;
-	int r;
-
-	if (!a->ep || a->ep_failed)
-		return;
-	r = ro_ep_round_end(a->ep, &note, &g);
-	if (r) {
-		ro_log(LOG_ERR, "expert-parallel group failed: %s", ro_ep_errmsg(a->ep));
-		a->ep_failed = true;
-		return;
-	}
-	a->group_busy = g.busy;
-	a->group_done = g.all_done;
-	if (g.draining && a->state != RO_DRAINED &&
-	    (a->state == RO_RUNNING || g.deadline_ms < a->deadline_wall_ms)) {
-		char why[64];
-
-		(void)snprintf(why, sizeof(why), "group drain from rank %u", g.first_draining);
-		ro_drain_begin(a, g.deadline_ms, why);
-	}
-}
-
 int main(int argc, char **argv)
 {
 	static struct ro_agent ag;
@@ -716,7 +687,7 @@ int main(int argc, char **argv)
 		(void)ro_worker_claim(a);
 		(void)ro_worker_step(a);
 		ro_worker_housekeeping(a);
-		ep_round(a);
+		ro_agent_ep_round(a);
 		if (a->ep_failed && !rc) {
 			/* a peer is gone or late: everything we hold goes back to the queue with
 			 * its checkpoints, and the supervisor restarts us */

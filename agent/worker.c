@@ -61,10 +61,25 @@ void ro_worker_free_all(struct ro_agent *a)
 		unit_drop(a, a->units);
 }
 
+/* What this rank tells its group each step: its drain and whether it is done. */
+static struct ro_ep_note ep_note(const struct ro_agent *a)
+{
+	return (struct ro_ep_note){.draining = a->state != RO_RUNNING,
+				   .done = a->state == RO_DRAINED && !a->units,
+				   .deadline_ms = a->deadline_wall_ms};
+}
+
+/* A failed exchange leaves the group unusable: said once, and the loop requeues and exits. */
+static void ep_failed(struct ro_agent *a)
+{
+	if (!a->ep_failed)
+		ro_log(LOG_ERR, "expert-parallel group failed: %s", ro_ep_errmsg(a->ep));
+	a->ep_failed = true;
+}
+
 int ro_agent_forward(struct ro_agent *a, struct ro_fwd_item *items, size_t count)
 {
-	struct ro_ep_note note = {.draining = a->state != RO_RUNNING,
-				  .deadline_ms = a->deadline_wall_ms};
+	struct ro_ep_note note = ep_note(a);
 	int r;
 
 	if (!a->ep)
@@ -72,12 +87,31 @@ int ro_agent_forward(struct ro_agent *a, struct ro_fwd_item *items, size_t count
 	if (a->ep_failed)
 		return -EPIPE;
 	r = ro_ep_forward(a->ep, items, count, &note);
-	if (r && ro_ep_broken(a->ep)) {
-		if (!a->ep_failed)
-			ro_log(LOG_ERR, "expert-parallel group failed: %s", ro_ep_errmsg(a->ep));
-		a->ep_failed = true;
-	}
+	if (r && ro_ep_broken(a->ep))
+		ep_failed(a);
 	return r;
+}
+
+void ro_agent_ep_round(struct ro_agent *a)
+{
+	struct ro_ep_note note = ep_note(a);
+	struct ro_ep_group g;
+
+	if (!a->ep || a->ep_failed)
+		return;
+	if (ro_ep_round_end(a->ep, &note, &g)) {
+		ep_failed(a);
+		return;
+	}
+	a->group_busy = g.busy;
+	a->group_done = g.all_done;
+	if (g.draining && a->state != RO_DRAINED &&
+	    (a->state == RO_RUNNING || g.deadline_ms < a->deadline_wall_ms)) {
+		char why[64];
+
+		(void)snprintf(why, sizeof(why), "group drain from rank %u", g.first_draining);
+		ro_drain_begin(a, g.deadline_ms, why);
+	}
 }
 
 static bool transient(int r)
