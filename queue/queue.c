@@ -5,8 +5,10 @@
  * duplicates a write. */
 #include "queue/queue.h"
 #include "queue/internal.h"
+#include "queue/conn.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <hiredis/hiredis.h>
 #include <json-c/json.h>
 #include <stdarg.h>
@@ -21,13 +23,12 @@ extern const char ro_queue_scripts_lua[];
 extern const char ro_queue_scripts_version[];
 
 struct ro_queue {
-	redisContext *c;
-	char *host, *path, *password;
+	struct ro_conn *conn;
+	char *host, *path, *user, *password;
 	int port, db;
 	char *prefix; /* "ro:{q}:" */
 	char *worker;
 	struct ro_queue_opts o;
-	uint64_t connects;
 	uint64_t rng;
 	char err[256];
 };
@@ -79,7 +80,7 @@ const char *ro_queue_errmsg(const struct ro_queue *q)
 
 uint64_t ro_queue_connects(const struct ro_queue *q)
 {
-	return q->connects;
+	return ro_conn_connects(q->conn);
 }
 
 const char *ro_queue_key(struct ro_queue *q, const char *suffix, char *buf, size_t len)
@@ -207,8 +208,10 @@ static int parse_url(struct ro_queue *q, const char *url)
 		if (at) {
 			const char *colon = memchr(p, ':', (size_t)(at - p));
 
-			if (colon)
+			if (colon) {
+				q->user = strndup_or_null(p, (size_t)(colon - p));
 				q->password = strndup_or_null(colon + 1, (size_t)(at - colon - 1));
+			}
 			p = at + 1;
 		}
 	}
@@ -241,115 +244,13 @@ static int parse_url(struct ro_queue *q, const char *url)
 	return 0;
 }
 
-static void drop(struct ro_queue *q)
-{
-	if (q->c) {
-		redisFree(q->c);
-		q->c = NULL;
-	}
-}
-
-/* hiredis context error -> -errno, then the context is dropped: hiredis says a context
- * with err set cannot be reused. */
-static int ctx_error(struct ro_queue *q, const char *what)
-{
-	int r = -EIO;
-
-	if (q->c) {
-		if (q->c->err == REDIS_ERR_OOM)
-			r = -ENOMEM;
-		else if (q->c->err == REDIS_ERR_PROTOCOL)
-			r = -EPROTO;
-		else if (q->c->err == REDIS_ERR_IO && (errno == EAGAIN || errno == ETIMEDOUT))
-			r = -ETIMEDOUT;
-		(void)fail(q, r, "redis %s: %s", what, q->c->errstr);
-	}
-	drop(q);
-	return r;
-}
-
-static int simple(struct ro_queue *q, redisReply **ret, const char *fmt, ...)
-{
-	va_list ap;
-	redisReply *rep;
-
-	va_start(ap, fmt);
-	rep = redisvCommand(q->c, fmt, ap);
-	va_end(ap);
-	if (!rep)
-		return ctx_error(q, "command");
-	if (rep->type == REDIS_REPLY_ERROR) {
-		int r = fail(q, -EPROTO, "redis: %s", rep->str);
-
-		freeReplyObject(rep);
-		return r;
-	}
-	if (ret)
-		*ret = rep;
-	else
-		freeReplyObject(rep);
-	return 0;
-}
-
-static int load_functions(struct ro_queue *q)
-{
-	return simple(q, NULL, "FUNCTION LOAD REPLACE %s", ro_queue_scripts_lua);
-}
-
-static int connect_once(struct ro_queue *q)
-{
-	struct timeval tv = {.tv_sec = q->o.timeout_ms / 1000,
-			     .tv_usec = (q->o.timeout_ms % 1000) * 1000};
-	redisReply *rep = NULL;
-	int r;
-
-	drop(q);
-	q->c = q->path ? redisConnectUnixWithTimeout(q->path, tv)
-		       : redisConnectWithTimeout(q->host, q->port, tv);
-	if (!q->c)
-		return fail(q, -ENOMEM, "redis: out of memory");
-	if (q->c->err)
-		return ctx_error(q, "connect");
-	if (redisSetTimeout(q->c, tv) != REDIS_OK)
-		return ctx_error(q, "set timeout");
-	if (q->password) {
-		r = simple(q, NULL, "AUTH %s", q->password);
-		if (r)
-			goto out_drop;
-	}
-	if (q->db) {
-		r = simple(q, NULL, "SELECT %d", q->db);
-		if (r)
-			goto out_drop;
-	}
-	/* named, so an operator's CLIENT LIST shows which worker holds which connection */
-	r = simple(q, NULL, "CLIENT SETNAME rolloutd:%s", q->worker);
-	if (r)
-		goto out_drop;
-	/* load the library only when the server lacks this exact version */
-	r = simple(q, &rep, "FCALL ro_version 0");
-	if (r == -EPROTO || (!r && (rep->type != REDIS_REPLY_STRING ||
-				    strcmp(rep->str, ro_queue_scripts_version)))) {
-		r = load_functions(q);
-	}
-	if (rep)
-		freeReplyObject(rep);
-	if (r)
-		goto out_drop;
-	q->connects++;
-	return 0;
-out_drop:
-	if (r == -EPROTO && strstr(q->err, "LOADING"))
-		r = -EAGAIN; /* restarted server still loading its AOF: retry */
-	drop(q);
-	return r;
-}
-
 int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 {
 	struct ro_queue *q;
 	const char *pfx = o->prefix && *o->prefix ? o->prefix : "ro";
 	const char *name = o->queue && *o->queue ? o->queue : "default";
+	struct ro_conn_opts co = {0};
+	char cname[200];
 	int r;
 
 	q = calloc(1, sizeof(*q));
@@ -394,6 +295,23 @@ int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 	r = parse_url(q, o->url && *o->url ? o->url : "redis://127.0.0.1:6379/0");
 	if (r)
 		goto out_free;
+	/* named, so an operator's CLIENT LIST shows which worker holds which connection */
+	(void)snprintf(cname, sizeof(cname), "rolloutd:%s", q->worker);
+	co.host = q->host;
+	co.port = q->port;
+	co.path = q->path;
+	co.user = q->user;
+	co.password = q->password;
+	co.db = q->db;
+	co.client_name = cname;
+	co.timeout_ms = q->o.timeout_ms;
+	co.library = ro_queue_scripts_lua;
+	co.library_version = ro_queue_scripts_version;
+	co.after_send = o->after_send;
+	co.after_send_arg = o->after_send_arg;
+	r = ro_conn_new(&co, &q->conn);
+	if (r)
+		goto out_free;
 	q->o.url = NULL; /* borrowed strings are not kept */
 	q->o.queue = q->o.prefix = q->o.worker = NULL;
 	*ret = q;
@@ -408,9 +326,10 @@ struct ro_queue *ro_queue_free(struct ro_queue *q)
 {
 	if (!q)
 		return NULL;
-	drop(q);
+	q->conn = ro_conn_free(q->conn);
 	free(q->host);
 	free(q->path);
+	free(q->user);
 	free(q->password);
 	free(q->prefix);
 	free(q->worker);
@@ -418,13 +337,7 @@ struct ro_queue *ro_queue_free(struct ro_queue *q)
 	return NULL;
 }
 
-static bool retryable_error(const char *s)
-{
-	return !strncmp(s, "LOADING", 7) || !strncmp(s, "BUSY", 4) || !strncmp(s, "READONLY", 8) ||
-	       !strncmp(s, "MASTERDOWN", 10) || !strncmp(s, "TRYAGAIN", 8);
-}
-
-static int map_error(struct ro_queue *q, const char *s)
+static int map_error(char *msg, size_t len, const char *s)
 {
 	int r = -EPROTO;
 
@@ -436,73 +349,226 @@ static int map_error(struct ro_queue *q, const char *s)
 		r = -ENOENT;
 	else if (!strncmp(s, "BADARG", 6))
 		r = -EINVAL;
-	return fail(q, r, "%s", s);
+	else if (!strncmp(s, "BADUNIT", 7))
+		r = -EBADMSG;
+	(void)snprintf(msg, len, "%s", s);
+	return r;
 }
 
-/* Send one command and read its reply, reconnecting with jittered exponential backoff
- * for up to retry_ms. A reply lost to a dead connection means the command may or may
- * not have run; it is sent again, which the idempotent functions make safe. */
-static int call(struct ro_queue *q, struct args *a, redisReply **ret)
+/* ---- operations in flight ----------------------------------------------------------- */
+
+/* One operation: its command(s) on the connection, its reply parsed into res, then the
+ * caller's callback. The synchronous API is the same operation awaited with poll(). */
+struct op {
+	struct ro_queue *q;
+	int (*parse)(struct op *op, redisReply *rep);
+	ro_queue_done_fn done;
+	void *arg;
+	struct ro_queue_result res;
+	size_t count;  /* what the reply must hold (renew, publish, enqueue) */
+	int stages;    /* replies still to come (an operation of several commands) */
+	redisReply *raw; /* the reply itself, for synchronous callers that parse it */
+	bool keep_raw;
+	bool parse_errors; /* error replies go to parse too */
+	char *group;
+	char msg[256];
+};
+
+static void result_clear(struct ro_queue_result *res)
 {
-	int64_t start = mono_ms();
-	int64_t backoff = 25;
-	bool loaded = false;
-	int r = 0;
+	ro_claims_free(res->claims, res->n_claims);
+	free(res->ok);
+	free(res->ids);
+	free(res->status);
+	memset(res, 0, sizeof(*res));
+}
+
+static void op_reply(void *arg, int r, redisReply *rep, const char *why)
+{
+	struct op *op = arg;
+
+	if (r) {
+		if (!op->res.r) {
+			op->res.r = r;
+			(void)snprintf(op->msg, sizeof(op->msg), "%s", why ? why : strerror(-r));
+		}
+	} else if (rep->type == REDIS_REPLY_ERROR && !op->keep_raw && !op->parse_errors) {
+		if (!op->res.r)
+			op->res.r = map_error(op->msg, sizeof(op->msg), rep->str);
+		freeReplyObject(rep);
+	} else if (op->keep_raw) {
+		if (rep->type == REDIS_REPLY_ERROR) {
+			op->res.r = map_error(op->msg, sizeof(op->msg), rep->str);
+			freeReplyObject(rep);
+		} else {
+			op->raw = rep;
+		}
+	} else if (op->res.r) {
+		freeReplyObject(rep);
+	} else {
+		int pr = op->parse ? op->parse(op, rep) : (freeReplyObject(rep), 0);
+
+		if (pr < 0 && !op->msg[0])
+			(void)snprintf(op->msg, sizeof(op->msg), "unexpected reply");
+		op->res.r = pr;
+	}
+	if (--op->stages > 0)
+		return;
+	op->res.msg = op->msg;
+	op->done(op->arg, &op->res);
+	result_clear(&op->res);
+	if (op->raw)
+		freeReplyObject(op->raw);
+	free(op->group);
+	free(op);
+}
+
+/* Send a built command as an operation that ends within timeout_ms. */
+static int submit(struct ro_queue *q, struct args *a, int (*parse)(struct op *, redisReply *),
+		  size_t count, const struct ro_queue_cb *cb, struct op **ret_op)
+{
+	struct op *op;
+	int r;
 
 	if (a->oom)
 		return fail(q, -ENOMEM, "out of memory");
-	for (;;) {
-		redisReply *rep = NULL;
-		int done = 0;
-
-		if (!q->c)
-			r = connect_once(q);
-		if (!r && q->c) {
-			if (redisAppendCommandArgv(q->c, (int)a->n, a->v, a->len) != REDIS_OK) {
-				r = ctx_error(q, "send");
-			} else {
-				while (!done && r == 0) {
-					if (redisBufferWrite(q->c, &done) != REDIS_OK)
-						r = ctx_error(q, "send");
-				}
-				if (!r && q->o.after_send)
-					q->o.after_send(q->o.after_send_arg, a->v[1], q->c->fd);
-				if (!r && redisGetReply(q->c, (void **)&rep) != REDIS_OK)
-					r = ctx_error(q, "reply");
-			}
-		}
-		if (!r && rep) {
-			if (rep->type != REDIS_REPLY_ERROR) {
-				*ret = rep;
-				return 0;
-			}
-			if (!loaded && strstr(rep->str, "Function not found")) {
-				/* a server that lost its library (flushed, or a new replica) */
-				freeReplyObject(rep);
-				loaded = true;
-				r = load_functions(q);
-				if (!r)
-					continue;
-			} else if (retryable_error(rep->str)) {
-				r = fail(q, -EAGAIN, "redis: %s", rep->str);
-				freeReplyObject(rep);
-			} else {
-				r = map_error(q, rep->str);
-				freeReplyObject(rep);
-				return r;
-			}
-		}
-		if (r != -EIO && r != -ETIMEDOUT && r != -EAGAIN && r != -ECONNREFUSED)
-			return r;
-		if (mono_ms() - start + backoff > (int64_t)q->o.retry_ms)
-			return r == -EAGAIN ? -EIO : r;
-		/* full jitter in [backoff/2, backoff*3/2) keeps a fleet from reconnecting in step
-		 */
-		sleep_ms(backoff / 2 + (int64_t)(rng_next(q) % (uint64_t)backoff));
-		if (backoff < 1000)
-			backoff *= 2;
-		r = 0;
+	op = calloc(1, sizeof(*op));
+	if (!op)
+		return fail(q, -ENOMEM, "out of memory");
+	op->q = q;
+	op->parse = parse;
+	op->done = cb->fn;
+	op->arg = cb->arg;
+	op->count = count;
+	op->stages = 1;
+	r = ro_conn_send(q->conn, (int)a->n, a->v, a->len,
+			 mono_ms() + (cb->timeout_ms ? cb->timeout_ms : q->o.retry_ms), 0, op_reply,
+			 op);
+	if (r) {
+		free(op);
+		return fail(q, r, "out of memory");
 	}
+	if (ret_op)
+		*ret_op = op;
+	return 0;
+}
+
+/* ---- the synchronous face: an operation awaited ---------------------------------- */
+
+struct waiter {
+	struct ro_queue *q;
+	bool done;
+	struct ro_queue_result res;
+	redisReply *raw;
+	struct op *op;
+};
+
+static void waiter_done(void *arg, struct ro_queue_result *res)
+{
+	struct waiter *w = arg;
+
+	const char *res_msg = res->msg ? res->msg : "";
+
+	w->res = *res;
+	memset(res, 0, sizeof(*res)); /* the waiter owns what the result holds */
+	w->res.msg = NULL;
+	if (w->res.r < 0)
+		(void)fail(w->q, w->res.r, "%s", res_msg);
+	if (w->op) {
+		w->raw = w->op->raw;
+		w->op->raw = NULL;
+	}
+	w->done = true;
+}
+
+/* Drive the connection until w is answered. */
+static int await(struct ro_queue *q, struct waiter *w)
+{
+	while (!w->done) {
+		struct pollfd p = {.fd = ro_conn_fd(q->conn), .events = ro_conn_events(q->conn)};
+		int64_t next = ro_conn_next_ms(q->conn), now = mono_ms();
+		int timeout = next < 0 ? 100 : next <= now ? 0 : (int)(next - now);
+
+		if (p.fd < 0) {
+			if (timeout)
+				sleep_ms(timeout);
+			p.revents = 0;
+		} else if (poll(&p, 1, timeout) < 0 && errno != EINTR) {
+			p.revents = POLLERR;
+		}
+		ro_conn_process(q->conn, p.revents);
+	}
+	return w->res.r;
+}
+
+/* Run an operation to its end: its reply parsed into ret (which the caller clears). */
+static int run(struct ro_queue *q, struct args *a, int (*parse)(struct op *, redisReply *),
+	       size_t count, struct ro_queue_result *ret)
+{
+	struct waiter w = {.q = q};
+	struct ro_queue_cb cb = {waiter_done, &w, q->o.retry_ms};
+	int r = submit(q, a, parse, count, &cb, &w.op);
+
+	args_clear(a);
+	if (r)
+		return r;
+	r = await(q, &w);
+	*ret = w.res;
+	if (w.raw)
+		freeReplyObject(w.raw);
+	return r;
+}
+
+/* One command with its raw reply (error replies become -errno), reconnecting and sending
+ * again for up to retry_ms: a reply lost to a dead connection means the command may or may
+ * not have run, and the idempotent functions make sending it again safe. */
+static int call(struct ro_queue *q, struct args *a, redisReply **ret)
+{
+	struct waiter w = {.q = q};
+	struct ro_queue_cb cb = {waiter_done, &w, q->o.retry_ms};
+	int r = submit(q, a, NULL, 0, &cb, &w.op);
+
+	if (r)
+		return r;
+	w.op->keep_raw = true;
+	r = await(q, &w);
+	result_clear(&w.res);
+	if (!r)
+		*ret = w.raw;
+	else if (w.raw)
+		freeReplyObject(w.raw);
+	return r;
+}
+
+/* The connection as the caller's event loop sees it. */
+int ro_queue_fd(const struct ro_queue *q)
+{
+	return ro_conn_fd(q->conn);
+}
+
+short ro_queue_events(const struct ro_queue *q)
+{
+	return ro_conn_events(q->conn);
+}
+
+int64_t ro_queue_next_ms(const struct ro_queue *q)
+{
+	return ro_conn_next_ms(q->conn);
+}
+
+void ro_queue_process(struct ro_queue *q, short revents)
+{
+	ro_conn_process(q->conn, revents);
+}
+
+size_t ro_queue_pending(const struct ro_queue *q)
+{
+	return ro_conn_pending(q->conn);
+}
+
+bool ro_queue_connected(const struct ro_queue *q)
+{
+	return ro_conn_ready(q->conn);
 }
 
 /* ---- replies ---------------------------------------------------------------------- */
@@ -651,131 +717,230 @@ int ro_queue_enqueue(struct ro_queue *q, const struct ro_unit *units, size_t cou
 	return r;
 }
 
+/* Each operation below is written once, as a command and a reply parser; its _async face
+ * submits it, its synchronous face submits it and awaits it. */
+
+static int parse_claims_op(struct op *op, redisReply *rep)
+{
+	return parse_claims(op->q, rep, &op->res.claims, &op->res.n_claims);
+}
+
+static void args_claim(struct ro_queue *q, struct args *a, uint32_t k, uint32_t lease_ms)
+{
+	fcall_start(q, a, "ro_claim");
+	args_str(a, q->worker);
+	args_fmt(a, "%u", k);
+	args_fmt(a, "%u", lease_ms);
+	/* the request id makes a retried claim return what the lost one took */
+	args_fmt(a, "%016llx", (unsigned long long)rng_next(q));
+	args_fmt(a, "%u", q->o.max_attempts);
+	args_fmt(a, "%u", q->o.worker_ttl_ms);
+}
+
+int ro_queue_claim_async(struct ro_queue *q, uint32_t k, uint32_t lease_ms,
+			 const struct ro_queue_cb *cb)
+{
+	struct args a = {0};
+	int r;
+
+	args_claim(q, &a, k, lease_ms);
+	r = submit(q, &a, parse_claims_op, 0, cb, NULL);
+	args_clear(&a);
+	return r;
+}
+
+/* The synchronous faces take what the result holds. */
+static int take_claims(struct ro_queue_result *res, int r, struct ro_claim **ret,
+		       size_t *ret_count)
+{
+	if (r >= 0) {
+		*ret = res->claims;
+		*ret_count = res->n_claims;
+		res->claims = NULL;
+		res->n_claims = 0;
+	}
+	result_clear(res);
+	return r;
+}
+
 int ro_queue_claim(struct ro_queue *q, uint32_t k, uint32_t lease_ms, struct ro_claim **ret,
 		   size_t *ret_count)
 {
+	struct ro_queue_result res = {0};
 	struct args a = {0};
-	redisReply *rep = NULL;
-	int r;
 
 	*ret = NULL;
 	*ret_count = 0;
-	fcall_start(q, &a, "ro_claim");
+	args_claim(q, &a, k, lease_ms);
+	return take_claims(&res, run(q, &a, parse_claims_op, 0, &res), ret, ret_count);
+}
+
+int ro_queue_held_async(struct ro_queue *q, const struct ro_queue_cb *cb)
+{
+	struct args a = {0};
+	int r;
+
+	fcall_start(q, &a, "ro_held");
 	args_str(&a, q->worker);
-	args_fmt(&a, "%u", k);
-	args_fmt(&a, "%u", lease_ms);
-	/* the request id makes a retried claim return what the lost one took */
-	args_fmt(&a, "%016llx", (unsigned long long)rng_next(q));
-	args_fmt(&a, "%u", q->o.max_attempts);
-	args_fmt(&a, "%u", q->o.worker_ttl_ms);
-	r = call(q, &a, &rep);
+	r = submit(q, &a, parse_claims_op, 0, cb, NULL);
 	args_clear(&a);
-	if (r)
-		return r;
-	return parse_claims(q, rep, ret, ret_count);
+	return r;
 }
 
 int ro_queue_held(struct ro_queue *q, struct ro_claim **ret, size_t *ret_count)
 {
+	struct ro_queue_result res = {0};
 	struct args a = {0};
-	redisReply *rep = NULL;
-	int r;
 
 	*ret = NULL;
 	*ret_count = 0;
 	fcall_start(q, &a, "ro_held");
 	args_str(&a, q->worker);
-	r = call(q, &a, &rep);
+	return take_claims(&res, run(q, &a, parse_claims_op, 0, &res), ret, ret_count);
+}
+
+static int parse_renew(struct op *op, redisReply *rep)
+{
+	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != op->count)
+		return bad_reply(op->q, rep, "renew");
+	op->res.ok = calloc(op->count + 1, sizeof(*op->res.ok));
+	if (!op->res.ok) {
+		freeReplyObject(rep);
+		return -ENOMEM;
+	}
+	for (size_t i = 0; i < op->count; i++)
+		op->res.ok[i] = rep->element[i]->integer == 1;
+	freeReplyObject(rep);
+	return 0;
+}
+
+static void args_renew(struct ro_queue *q, struct args *a, const struct ro_claim *const *c,
+		       size_t count, uint32_t lease_ms)
+{
+	fcall_start(q, a, "ro_renew");
+	args_str(a, q->worker);
+	args_fmt(a, "%u", lease_ms);
+	args_fmt(a, "%u", q->o.worker_ttl_ms);
+	for (size_t i = 0; i < count; i++) {
+		args_str(a, c[i]->id);
+		args_str(a, c[i]->token);
+	}
+}
+
+int ro_queue_renew_async(struct ro_queue *q, const struct ro_claim *const *c, size_t count,
+			 uint32_t lease_ms, const struct ro_queue_cb *cb)
+{
+	struct args a = {0};
+	int r;
+
+	args_renew(q, &a, c, count, lease_ms);
+	r = submit(q, &a, parse_renew, count, cb, NULL);
 	args_clear(&a);
-	if (r)
-		return r;
-	return parse_claims(q, rep, ret, ret_count);
+	return r;
 }
 
 int ro_queue_renew(struct ro_queue *q, const struct ro_claim *const *c, size_t count,
 		   uint32_t lease_ms, bool *ret_ok)
 {
+	struct ro_queue_result res = {0};
 	struct args a = {0};
-	redisReply *rep = NULL;
 	int r;
 
-	fcall_start(q, &a, "ro_renew");
-	args_str(&a, q->worker);
-	args_fmt(&a, "%u", lease_ms);
-	args_fmt(&a, "%u", q->o.worker_ttl_ms);
-	for (size_t i = 0; i < count; i++) {
-		args_str(&a, c[i]->id);
-		args_str(&a, c[i]->token);
+	args_renew(q, &a, c, count, lease_ms);
+	r = run(q, &a, parse_renew, count, &res);
+	if (!r)
+		memcpy(ret_ok, res.ok, count * sizeof(*ret_ok));
+	result_clear(&res);
+	return r;
+}
+
+static int parse_publish(struct op *op, redisReply *rep)
+{
+	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 1 + 2 * op->count ||
+	    !is_str(rep->element[0]))
+		return bad_reply(op->q, rep, "publish");
+	op->res.ids = calloc(op->count + 1, sizeof(*op->res.ids));
+	if (!op->res.ids) {
+		freeReplyObject(rep);
+		return -ENOMEM;
 	}
-	r = call(q, &a, &rep);
-	args_clear(&a);
-	if (r)
-		return r;
-	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != count)
-		return bad_reply(q, rep, "renew");
-	for (size_t i = 0; i < count; i++)
-		ret_ok[i] = rep->element[i]->integer == 1;
+	for (size_t i = 0; i < op->count; i++)
+		(void)snprintf(op->res.ids[i], 24, "%s",
+			       is_str(rep->element[1 + 2 * i]) ? rep->element[1 + 2 * i]->str : "");
+	op->res.completed = rep->element[0]->len > 0;
 	freeReplyObject(rep);
 	return 0;
+}
+
+static void args_publish(struct ro_queue *q, struct args *a, const struct ro_claim *c,
+			 const struct ro_sample *s, size_t count, bool complete)
+{
+	fcall_start(q, a, "ro_publish");
+	args_str(a, c->id);
+	args_str(a, c->token);
+	args_str(a, complete ? "1" : "0");
+	for (size_t i = 0; i < count; i++) {
+		const struct ro_sample *x = &s[i];
+		bool meta = c->meta && c->meta[0];
+
+		args_fmt(a, "%u", x->idx);
+		args_str(a, meta ? "11" : "10");
+		args_str(a, "unit");
+		args_str(a, c->id);
+		args_str(a, "idx");
+		args_fmt(a, "%u", x->idx);
+		args_str(a, "worker");
+		args_str(a, q->worker);
+		args_str(a, "attempt");
+		args_fmt(a, "%u", c->attempt);
+		args_str(a, "tokens");
+		args_take(a, ro_json_ints(x->tokens, x->len));
+		args_str(a, "logprobs");
+		args_take(a, ro_json_floats(x->logprobs, x->len));
+		args_str(a, "finish");
+		args_str(a, x->finish ? x->finish : "length");
+		args_str(a, "policy_version");
+		args_fmt(a, "%lld", (long long)x->policy_version);
+		args_str(a, "resumed_from");
+		args_fmt(a, "%u", x->resumed_from);
+		args_str(a, "gen_ms");
+		args_fmt(a, "%llu", (unsigned long long)x->gen_ms);
+		if (meta) {
+			args_str(a, "meta");
+			args_str(a, c->meta);
+		}
+	}
+}
+
+int ro_queue_publish_async(struct ro_queue *q, const struct ro_claim *c, const struct ro_sample *s,
+			   size_t count, bool complete, const struct ro_queue_cb *cb)
+{
+	struct args a = {0};
+	int r;
+
+	args_publish(q, &a, c, s, count, complete);
+	r = submit(q, &a, parse_publish, count, cb, NULL);
+	args_clear(&a);
+	return r;
 }
 
 int ro_queue_publish(struct ro_queue *q, const struct ro_claim *c, const struct ro_sample *s,
 		     size_t count, bool complete, char (*ret_ids)[24], bool *ret_completed)
 {
+	struct ro_queue_result res = {0};
 	struct args a = {0};
-	redisReply *rep = NULL;
 	int r;
 
-	fcall_start(q, &a, "ro_publish");
-	args_str(&a, c->id);
-	args_str(&a, c->token);
-	args_str(&a, complete ? "1" : "0");
-	for (size_t i = 0; i < count; i++) {
-		const struct ro_sample *x = &s[i];
-		bool meta = c->meta && c->meta[0];
-
-		args_fmt(&a, "%u", x->idx);
-		args_str(&a, meta ? "11" : "10");
-		args_str(&a, "unit");
-		args_str(&a, c->id);
-		args_str(&a, "idx");
-		args_fmt(&a, "%u", x->idx);
-		args_str(&a, "worker");
-		args_str(&a, q->worker);
-		args_str(&a, "attempt");
-		args_fmt(&a, "%u", c->attempt);
-		args_str(&a, "tokens");
-		args_take(&a, ro_json_ints(x->tokens, x->len));
-		args_str(&a, "logprobs");
-		args_take(&a, ro_json_floats(x->logprobs, x->len));
-		args_str(&a, "finish");
-		args_str(&a, x->finish ? x->finish : "length");
-		args_str(&a, "policy_version");
-		args_fmt(&a, "%lld", (long long)x->policy_version);
-		args_str(&a, "resumed_from");
-		args_fmt(&a, "%u", x->resumed_from);
-		args_str(&a, "gen_ms");
-		args_fmt(&a, "%llu", (unsigned long long)x->gen_ms);
-		if (meta) {
-			args_str(&a, "meta");
-			args_str(&a, c->meta);
-		}
-	}
-	r = call(q, &a, &rep);
-	args_clear(&a);
-	if (r)
-		return r;
-	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 1 + 2 * count ||
-	    !is_str(rep->element[0]))
-		return bad_reply(q, rep, "publish");
-	for (size_t i = 0; i < count; i++) {
+	args_publish(q, &a, c, s, count, complete);
+	r = run(q, &a, parse_publish, count, &res);
+	if (!r) {
 		if (ret_ids)
-			(void)snprintf(ret_ids[i], 24, "%s", rep->element[1 + 2 * i]->str);
+			memcpy(ret_ids, res.ids, count * sizeof(*ret_ids));
+		if (ret_completed)
+			*ret_completed = res.completed;
 	}
-	if (ret_completed)
-		*ret_completed = rep->element[0]->len > 0;
-	freeReplyObject(rep);
-	return 0;
+	result_clear(&res);
+	return r;
 }
 
 static void args_progress(struct args *a, const struct ro_progress *p, size_t count)
@@ -786,93 +951,182 @@ static void args_progress(struct args *a, const struct ro_progress *p, size_t co
 	}
 }
 
-int ro_queue_checkpoint(struct ro_queue *q, const struct ro_claim *c, const struct ro_progress *p,
-			size_t count)
+static int parse_int(struct op *op, redisReply *rep)
 {
-	struct args a = {0};
-	redisReply *rep = NULL;
-	int r;
+	int r = rep->type == REDIS_REPLY_INTEGER ? 0 : -EPROTO;
 
-	fcall_start(q, &a, "ro_checkpoint");
-	args_str(&a, c->id);
-	args_str(&a, c->token);
-	args_progress(&a, p, count);
-	r = call(q, &a, &rep);
-	args_clear(&a);
-	if (r)
-		return r;
-	r = rep->type == REDIS_REPLY_INTEGER ? (int)rep->integer : -EPROTO;
+	op->res.value = rep->type == REDIS_REPLY_INTEGER ? rep->integer : 0;
 	freeReplyObject(rep);
-	return r < 0 ? fail(q, r, "unexpected reply to checkpoint") : r;
+	return r < 0 ? fail(op->q, r, "unexpected reply") : 0;
 }
 
-static int fcall_id_token(struct ro_queue *q, const char *fn, const struct ro_claim *c,
-			  const char *extra, redisReply **ret)
+static int parse_str(struct op *op, redisReply *rep)
+{
+	if (!is_str(rep))
+		return bad_reply(op->q, rep, "the call");
+	op->res.ids = calloc(1, sizeof(*op->res.ids));
+	if (op->res.ids)
+		(void)snprintf(op->res.ids[0], 24, "%s", rep->str);
+	freeReplyObject(rep);
+	return op->res.ids ? 0 : -ENOMEM;
+}
+
+static int parse_any(struct op *op, redisReply *rep)
+{
+	(void)op;
+	freeReplyObject(rep);
+	return 0;
+}
+
+/* id, token, then extra (if any) and the progress pairs: the shape of every holder's write */
+static void args_holder(struct ro_queue *q, struct args *a, const char *fn,
+			const struct ro_claim *c, const char *extra, const struct ro_progress *p,
+			size_t count)
+{
+	fcall_start(q, a, fn);
+	args_str(a, c->id);
+	args_str(a, c->token);
+	if (extra)
+		args_str(a, extra);
+	args_progress(a, p, count);
+}
+
+static int holder_async(struct ro_queue *q, const char *fn, const struct ro_claim *c,
+			const char *extra, const struct ro_progress *p, size_t count,
+			int (*parse)(struct op *, redisReply *), const struct ro_queue_cb *cb)
 {
 	struct args a = {0};
 	int r;
 
-	fcall_start(q, &a, fn);
-	args_str(&a, c->id);
-	args_str(&a, c->token);
-	if (extra)
-		args_str(&a, extra);
-	r = call(q, &a, ret);
+	args_holder(q, &a, fn, c, extra, p, count);
+	r = submit(q, &a, parse, 0, cb, NULL);
 	args_clear(&a);
 	return r;
 }
 
+static int holder_sync(struct ro_queue *q, const char *fn, const struct ro_claim *c,
+		       const char *extra, const struct ro_progress *p, size_t count,
+		       int (*parse)(struct op *, redisReply *), struct ro_queue_result *res)
+{
+	struct args a = {0};
+
+	args_holder(q, &a, fn, c, extra, p, count);
+	return run(q, &a, parse, 0, res);
+}
+
+int ro_queue_checkpoint_async(struct ro_queue *q, const struct ro_claim *c,
+			      const struct ro_progress *p, size_t count, const struct ro_queue_cb *cb)
+{
+	return holder_async(q, "ro_checkpoint", c, NULL, p, count, parse_int, cb);
+}
+
+int ro_queue_checkpoint(struct ro_queue *q, const struct ro_claim *c, const struct ro_progress *p,
+			size_t count)
+{
+	struct ro_queue_result res = {0};
+	int r = holder_sync(q, "ro_checkpoint", c, NULL, p, count, parse_int, &res);
+
+	if (!r)
+		r = (int)res.value;
+	result_clear(&res);
+	return r;
+}
+
+int ro_queue_complete_async(struct ro_queue *q, const struct ro_claim *c,
+			    const struct ro_queue_cb *cb)
+{
+	return holder_async(q, "ro_complete", c, NULL, NULL, 0, parse_str, cb);
+}
+
 int ro_queue_complete(struct ro_queue *q, const struct ro_claim *c, char ret_group_id[24])
 {
-	redisReply *rep = NULL;
-	int r = fcall_id_token(q, "ro_complete", c, NULL, &rep);
+	struct ro_queue_result res = {0};
+	int r = holder_sync(q, "ro_complete", c, NULL, NULL, 0, parse_str, &res);
 
-	if (r)
-		return r;
-	if (!is_str(rep))
-		return bad_reply(q, rep, "complete");
-	if (ret_group_id)
-		(void)snprintf(ret_group_id, 24, "%s", rep->str);
-	freeReplyObject(rep);
-	return 0;
+	if (!r && ret_group_id)
+		(void)snprintf(ret_group_id, 24, "%s", res.ids[0]);
+	result_clear(&res);
+	return r;
+}
+
+int ro_queue_requeue_async(struct ro_queue *q, const struct ro_claim *c,
+			   const struct ro_progress *p, size_t count, const struct ro_queue_cb *cb)
+{
+	return holder_async(q, "ro_requeue", c, NULL, p, count, parse_any, cb);
 }
 
 int ro_queue_requeue(struct ro_queue *q, const struct ro_claim *c, const struct ro_progress *p,
 		     size_t count)
 {
-	struct args a = {0};
-	redisReply *rep = NULL;
-	int r;
+	struct ro_queue_result res = {0};
+	int r = holder_sync(q, "ro_requeue", c, NULL, p, count, parse_any, &res);
 
-	fcall_start(q, &a, "ro_requeue");
-	args_str(&a, c->id);
-	args_str(&a, c->token);
-	args_progress(&a, p, count);
-	r = call(q, &a, &rep);
-	args_clear(&a);
-	if (r)
-		return r;
-	freeReplyObject(rep);
-	return 0;
+	result_clear(&res);
+	return r;
+}
+
+int ro_queue_release_async(struct ro_queue *q, const struct ro_claim *c,
+			   const struct ro_queue_cb *cb)
+{
+	return holder_async(q, "ro_release", c, NULL, NULL, 0, parse_any, cb);
 }
 
 int ro_queue_release(struct ro_queue *q, const struct ro_claim *c)
 {
-	redisReply *rep = NULL;
-	int r = fcall_id_token(q, "ro_release", c, NULL, &rep);
+	struct ro_queue_result res = {0};
+	int r = holder_sync(q, "ro_release", c, NULL, NULL, 0, parse_any, &res);
 
-	if (!r)
-		freeReplyObject(rep);
+	result_clear(&res);
 	return r;
+}
+
+int ro_queue_dead_letter_async(struct ro_queue *q, const struct ro_claim *c, const char *reason,
+			       const struct ro_queue_cb *cb)
+{
+	return holder_async(q, "ro_dead_letter", c, reason, NULL, 0, parse_any, cb);
 }
 
 int ro_queue_dead_letter(struct ro_queue *q, const struct ro_claim *c, const char *reason)
 {
-	redisReply *rep = NULL;
-	int r = fcall_id_token(q, "ro_dead_letter", c, reason, &rep);
+	struct ro_queue_result res = {0};
+	int r = holder_sync(q, "ro_dead_letter", c, reason, NULL, 0, parse_any, &res);
 
+	result_clear(&res);
+	return r;
+}
+
+/* The failure's reason and the attempt limit travel as one argument ("<max>:<reason>"),
+ * so the holder's argument shape stays id, token, extra, progress. */
+static char *fail_extra(const struct ro_queue *q, const char *reason)
+{
+	char *s = NULL;
+
+	if (asprintf(&s, "%u:%s", q->o.max_attempts, reason ? reason : "") < 0)
+		return NULL;
+	return s;
+}
+
+int ro_queue_fail_async(struct ro_queue *q, const struct ro_claim *c, const char *reason,
+			const struct ro_progress *p, size_t count, const struct ro_queue_cb *cb)
+{
+	char *x = fail_extra(q, reason);
+	int r = x ? holder_async(q, "ro_fail", c, x, p, count, parse_int, cb) : -ENOMEM;
+
+	free(x);
+	return r;
+}
+
+int ro_queue_fail(struct ro_queue *q, const struct ro_claim *c, const char *reason,
+		  const struct ro_progress *p, size_t count)
+{
+	struct ro_queue_result res = {0};
+	char *x = fail_extra(q, reason);
+	int r = x ? holder_sync(q, "ro_fail", c, x, p, count, parse_int, &res) : -ENOMEM;
+
+	free(x);
 	if (!r)
-		freeReplyObject(rep);
+		r = (int)res.value;
+	result_clear(&res);
 	return r;
 }
 
@@ -1003,46 +1257,83 @@ int ro_queue_dead_purge(struct ro_queue *q)
 	}
 }
 
-int ro_queue_heartbeat(struct ro_queue *q, const char *const *kv, size_t n_kv)
+static void args_heartbeat(struct ro_queue *q, struct args *a, const char *const *kv, size_t n_kv)
+{
+	fcall_start(q, a, "ro_heartbeat");
+	args_str(a, q->worker);
+	args_fmt(a, "%u", q->o.worker_ttl_ms);
+	for (size_t i = 0; i + 1 < n_kv; i += 2) {
+		args_str(a, kv[i]);
+		args_str(a, kv[i + 1]);
+	}
+}
+
+int ro_queue_heartbeat_async(struct ro_queue *q, const char *const *kv, size_t n_kv,
+			     const struct ro_queue_cb *cb)
 {
 	struct args a = {0};
-	redisReply *rep = NULL;
 	int r;
 
-	fcall_start(q, &a, "ro_heartbeat");
-	args_str(&a, q->worker);
-	args_fmt(&a, "%u", q->o.worker_ttl_ms);
-	for (size_t i = 0; i + 1 < n_kv; i += 2) {
-		args_str(&a, kv[i]);
-		args_str(&a, kv[i + 1]);
-	}
-	r = call(q, &a, &rep);
+	args_heartbeat(q, &a, kv, n_kv);
+	r = submit(q, &a, parse_any, 0, cb, NULL);
 	args_clear(&a);
-	if (!r)
-		freeReplyObject(rep);
+	return r;
+}
+
+int ro_queue_heartbeat(struct ro_queue *q, const char *const *kv, size_t n_kv)
+{
+	struct ro_queue_result res = {0};
+	struct args a = {0};
+	int r;
+
+	args_heartbeat(q, &a, kv, n_kv);
+	r = run(q, &a, parse_any, 0, &res);
+	result_clear(&res);
+	return r;
+}
+
+static int parse_woken(struct op *op, redisReply *rep)
+{
+	op->res.woken = rep->type == REDIS_REPLY_ARRAY;
+	freeReplyObject(rep);
+	return 0;
+}
+
+static void args_wait(struct ro_queue *q, struct args *a, uint32_t timeout_ms)
+{
+	char key[300];
+
+	/* a blocking command must answer inside the connection's reply timeout */
+	if (timeout_ms + 500 > q->o.timeout_ms)
+		timeout_ms = q->o.timeout_ms > 600 ? q->o.timeout_ms - 500 : 100;
+	args_str(a, "BLPOP");
+	args_fmt(a, "%s", ro_queue_key(q, "marker", key, sizeof(key)));
+	args_fmt(a, "%.3f", timeout_ms / 1000.0);
+}
+
+int ro_queue_wait_async(struct ro_queue *q, uint32_t timeout_ms, const struct ro_queue_cb *cb)
+{
+	struct args a = {0};
+	int r;
+
+	args_wait(q, &a, timeout_ms);
+	r = submit(q, &a, parse_woken, 0, cb, NULL);
+	args_clear(&a);
 	return r;
 }
 
 int ro_queue_wait(struct ro_queue *q, uint32_t timeout_ms, bool *ret_woken)
 {
+	struct ro_queue_result res = {0};
 	struct args a = {0};
-	redisReply *rep = NULL;
-	char key[300];
 	int r;
 
-	/* hiredis 0.14 kills the context on a socket timeout: stay well inside it */
-	if (timeout_ms + 500 > q->o.timeout_ms)
-		timeout_ms = q->o.timeout_ms > 600 ? q->o.timeout_ms - 500 : 100;
-	args_str(&a, "BLPOP");
-	args_str(&a, ro_queue_key(q, "marker", key, sizeof(key)));
-	args_fmt(&a, "%.3f", timeout_ms / 1000.0);
-	r = call(q, &a, &rep);
-	args_clear(&a);
-	if (r)
-		return r;
-	*ret_woken = rep->type == REDIS_REPLY_ARRAY;
-	freeReplyObject(rep);
-	return 0;
+	args_wait(q, &a, timeout_ms);
+	r = run(q, &a, parse_woken, 0, &res);
+	if (!r)
+		*ret_woken = res.woken;
+	result_clear(&res);
+	return r;
 }
 
 static int cmd(struct ro_queue *q, redisReply **ret, int argc, const char **argv)
@@ -1084,42 +1375,81 @@ static const redisReply *kv_get(const redisReply *h, const char *k)
 	return NULL;
 }
 
-int ro_queue_backlog(struct ro_queue *q, const char *group, int64_t *ret_len, int64_t *ret_lag)
+/* XLEN, then XINFO GROUPS: one operation of two pipelined commands. */
+static int parse_backlog(struct op *op, redisReply *rep)
 {
-	char key[300];
-	const char *argv[3] = {"XLEN", ro_queue_key(q, "samples", key, sizeof(key)), NULL};
-	redisReply *rep = NULL;
-	int r = 0;
-	int64_t len = cmd_int(q, &r, 2, argv), lag = -1;
-
-	if (r)
-		return r;
-	argv[0] = "XINFO";
-	argv[1] = "GROUPS";
-	argv[2] = key;
-	r = cmd(q, &rep, 3, argv);
-	if (r == -EPROTO) {
-		r = 0; /* no stream yet */
-	} else if (r) {
-		return r;
-	} else {
+	if (op->stages == 2) { /* XLEN */
+		if (rep->type != REDIS_REPLY_INTEGER)
+			return bad_reply(op->q, rep, "XLEN");
+		op->res.len = rep->integer;
+		op->res.lag = -1;
+		freeReplyObject(rep);
+		return 0;
+	}
+	if (rep->type == REDIS_REPLY_ARRAY) {
 		for (size_t i = 0; i < rep->elements; i++) {
 			const redisReply *g = rep->element[i], *name = kv_get(g, "name"),
 					 *l = kv_get(g, "lag");
 			int64_t v;
 
-			if (group && (!name || !is_str(name) || strcmp(name->str, group)))
+			if (op->group && (!name || !is_str(name) || strcmp(name->str, op->group)))
 				continue;
 			/* Redis reports no lag when it cannot tell (after XDEL): count all */
-			v = l && l->type == REDIS_REPLY_INTEGER ? l->integer : len;
-			if (v > lag)
-				lag = v;
+			v = l && l->type == REDIS_REPLY_INTEGER ? l->integer : op->res.len;
+			if (v > op->res.lag)
+				op->res.lag = v;
 		}
-		freeReplyObject(rep);
-	}
-	*ret_len = len;
-	*ret_lag = lag < 0 ? len : lag;
+	} /* an error: no stream yet */
+	if (op->res.lag < 0)
+		op->res.lag = op->res.len;
+	freeReplyObject(rep);
 	return 0;
+}
+
+int ro_queue_backlog_async(struct ro_queue *q, const char *group, const struct ro_queue_cb *cb)
+{
+	char key[300];
+	struct args a = {0}, b = {0};
+	struct op *op = NULL;
+	int r;
+
+	ro_queue_key(q, "samples", key, sizeof(key));
+	args_str(&a, "XLEN");
+	args_str(&a, key);
+	args_str(&b, "XINFO");
+	args_str(&b, "GROUPS");
+	args_str(&b, key);
+	r = submit(q, &a, parse_backlog, 0, cb, &op);
+	if (!r) {
+		op->stages = 2;
+		op->parse_errors = true;
+		op->group = group ? strdup(group) : NULL;
+		r = ro_conn_send(q->conn, (int)b.n, b.v, b.len,
+				 mono_ms() + (cb->timeout_ms ? cb->timeout_ms : q->o.retry_ms), 0,
+				 op_reply, op);
+		if (r) /* the first reply then ends the operation */
+			op->stages = 1;
+	}
+	args_clear(&a);
+	args_clear(&b);
+	return r;
+}
+
+int ro_queue_backlog(struct ro_queue *q, const char *group, int64_t *ret_len, int64_t *ret_lag)
+{
+	struct waiter w = {.q = q};
+	struct ro_queue_cb cb = {waiter_done, &w, q->o.retry_ms};
+	int r = ro_queue_backlog_async(q, group, &cb);
+
+	if (r)
+		return r;
+	r = await(q, &w);
+	if (!r) {
+		*ret_len = w.res.len;
+		*ret_lag = w.res.lag;
+	}
+	result_clear(&w.res);
+	return r;
 }
 
 void ro_queue_stats_clear(struct ro_queue_stats *s)

@@ -8,6 +8,7 @@
  *   -EEXIST  the unit id exists with a different body
  *   -ENOENT  no such unit
  *   -EBUSY   complete() before every sample was published
+ *   -EBADMSG the unit's own record in Redis is inconsistent (BADUNIT): it cannot be run
  *   -EIO / -ETIMEDOUT  Redis unreachable after the retry budget; safe to call again
  * ro_queue_errmsg() gives the human message of the last failure. */
 #pragma once
@@ -155,6 +156,12 @@ int ro_queue_requeue(struct ro_queue *q, const struct ro_claim *c, const struct 
 int ro_queue_release(struct ro_queue *q, const struct ro_claim *c);
 /* The holder found the unit unusable: to the dead-letter list with reason. */
 int ro_queue_dead_letter(struct ro_queue *q, const struct ro_claim *c, const char *reason);
+/* The holder could not run the unit (a bad checkpoint, no memory for it, a forward that
+ * failed): an attempt is charged, the checkpoints p written, and the unit goes to the tail
+ * of pending, or past max_attempts to the dead-letter list with reason. Returns 2 when
+ * dead-lettered, 1 when back in pending (0: an earlier identical call did it). */
+int ro_queue_fail(struct ro_queue *q, const struct ro_claim *c, const char *reason,
+		  const struct ro_progress *p, size_t count);
 
 /* Expired leases back to pending or, past max_attempts, to dead. */
 int ro_queue_reap(struct ro_queue *q, uint32_t *ret_requeued, uint32_t *ret_dead);
@@ -200,6 +207,71 @@ int ro_queue_ep_rendezvous(struct ro_queue *q, const char *group, uint32_t rank,
 			   const void *card, size_t len, uint32_t timeout_ms, void **ret_cards,
 			   size_t *ret_lens);
 int ro_queue_ep_leave(struct ro_queue *q, const char *group, uint32_t rank);
+
+/* ---- the asynchronous face: for an event loop that must never block ----------------- *
+ * Every operation the daemon runs has an _async form: it is queued on the connection at
+ * once and answered through cb->fn within cb->timeout_ms (0: retry_ms), with 0 or -errno
+ * as the synchronous form returns, from inside ro_queue_process(). Nothing waits: the
+ * caller watches ro_queue_fd() for ro_queue_events() (POLLIN/POLLOUT; the descriptor
+ * changes across reconnects and is -1 while there is none) and calls ro_queue_process()
+ * when it is ready or when ro_queue_next_ms() (CLOCK_MONOTONIC ms; -1: no timer) comes.
+ * A connection lost before a reply is re-established and the command sent again (every
+ * function is idempotent) until the operation's time is up. A callback may submit more
+ * operations; it must not free the queue. ro_queue_free() answers the pending ones with
+ * -ECANCELED. Sync and async calls may share one queue; the sync one then also runs the
+ * callbacks of the async ones that complete meanwhile. */
+struct ro_queue_result {
+	int r;		 /* 0 (or a count) or -errno */
+	const char *msg; /* the failure's message */
+	/* claim, held: the callback may take them (set claims NULL) */
+	struct ro_claim *claims;
+	size_t n_claims;
+	bool *ok;	  /* renew: per unit, false when that lease is lost */
+	char (*ids)[24];  /* publish: each sample's entry id; complete: the group entry id */
+	int *status;	  /* reserved */
+	bool completed;	  /* publish: the unit completed in the same call */
+	bool woken;	  /* wait: a wake-up marker was taken */
+	int64_t len, lag; /* backlog */
+	int64_t value;	  /* checkpoint: samples written; fail: 2 dead-lettered, 1 back */
+};
+typedef void (*ro_queue_done_fn)(void *arg, struct ro_queue_result *res);
+struct ro_queue_cb {
+	ro_queue_done_fn fn;
+	void *arg;
+	uint32_t timeout_ms;
+};
+
+int ro_queue_fd(const struct ro_queue *q);
+short ro_queue_events(const struct ro_queue *q);
+int64_t ro_queue_next_ms(const struct ro_queue *q);
+void ro_queue_process(struct ro_queue *q, short revents);
+/* Operations not yet answered, and whether the connection is up now. */
+size_t ro_queue_pending(const struct ro_queue *q);
+bool ro_queue_connected(const struct ro_queue *q);
+
+int ro_queue_claim_async(struct ro_queue *q, uint32_t k, uint32_t lease_ms,
+			 const struct ro_queue_cb *cb);
+int ro_queue_held_async(struct ro_queue *q, const struct ro_queue_cb *cb);
+int ro_queue_renew_async(struct ro_queue *q, const struct ro_claim *const *c, size_t count,
+			 uint32_t lease_ms, const struct ro_queue_cb *cb);
+int ro_queue_publish_async(struct ro_queue *q, const struct ro_claim *c, const struct ro_sample *s,
+			   size_t count, bool complete, const struct ro_queue_cb *cb);
+int ro_queue_checkpoint_async(struct ro_queue *q, const struct ro_claim *c,
+			      const struct ro_progress *p, size_t count, const struct ro_queue_cb *cb);
+int ro_queue_complete_async(struct ro_queue *q, const struct ro_claim *c,
+			    const struct ro_queue_cb *cb);
+int ro_queue_requeue_async(struct ro_queue *q, const struct ro_claim *c,
+			   const struct ro_progress *p, size_t count, const struct ro_queue_cb *cb);
+int ro_queue_release_async(struct ro_queue *q, const struct ro_claim *c,
+			   const struct ro_queue_cb *cb);
+int ro_queue_dead_letter_async(struct ro_queue *q, const struct ro_claim *c, const char *reason,
+			       const struct ro_queue_cb *cb);
+int ro_queue_fail_async(struct ro_queue *q, const struct ro_claim *c, const char *reason,
+			const struct ro_progress *p, size_t count, const struct ro_queue_cb *cb);
+int ro_queue_heartbeat_async(struct ro_queue *q, const char *const *kv, size_t n_kv,
+			     const struct ro_queue_cb *cb);
+int ro_queue_wait_async(struct ro_queue *q, uint32_t timeout_ms, const struct ro_queue_cb *cb);
+int ro_queue_backlog_async(struct ro_queue *q, const char *group, const struct ro_queue_cb *cb);
 
 /* Progress encoding (the checkpoint format stored in the unit hash). */
 char *ro_progress_encode(const struct ro_progress *p);

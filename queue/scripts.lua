@@ -300,7 +300,9 @@ local function publish(keys, args)
 	while i <= #args do
 		local idx, nf = tonumber(args[i]), tonumber(args[i + 1])
 		if not idx or idx < 0 or idx >= n or idx ~= math.floor(idx) or not nf then
-			return err('BADARG', 'sample index ' .. tostring(args[i]) .. ' out of range for n=' .. n)
+			-- the holder's body says more samples than the unit's record: the unit is
+			-- inconsistent, not the call
+			return err('BADUNIT', 'sample index ' .. tostring(args[i]) .. ' out of range for n=' .. n)
 		end
 		smp[#smp + 1] = i
 		look[#look + 1] = 's:' .. idx
@@ -407,6 +409,45 @@ local function dead_letter(keys, args)
 	return 1
 end
 
+-- ARGV: id, token, "<max_attempts>:<reason>", then (idx, data) repeated. The holder could
+-- not run the unit: the attempt is charged (as an expired lease would be), checkpoints are
+-- kept, and the unit goes to the tail of pending, or to dead past the limit. Reply: 2 dead,
+-- 1 back in pending, 0 when this token's earlier call already did it.
+local function fail_fn(keys, args)
+	local P = keys[1]
+	local id, token = args[1], args[2]
+	local max_attempts, why = string.match(args[3] or '', '^(%d+):(.*)$')
+	max_attempts = tonumber(max_attempts)
+	if not max_attempts or max_attempts < 1 then
+		return err('BADARG', 'fail: want <max_attempts>:<reason>')
+	end
+	local ukey = P .. 'unit:' .. id
+	local now = now_ms()
+	if not lease_ok(P, ukey, id, token, now) then
+		local st = redis.call('HMGET', ukey, 'state', 'fail_token')
+		if st[2] == token and (st[1] == 'pending' or st[1] == 'dead') then return 0 end
+		return stale(id)
+	end
+	write_progress(ukey, args, 4)
+	local st = redis.call('HMGET', ukey, 'owner', 'attempt')
+	local attempt = tonumber(st[2]) or 1
+	redis.call('ZREM', P .. 'leases', id)
+	if attempt >= max_attempts then
+		local reason = why .. ' (attempt ' .. attempt .. ' of ' .. max_attempts .. ')'
+		redis.call('HSET', ukey, 'state', 'dead', 'owner', '', 'reason', reason, 'dead_ms', now,
+			'fail_token', token)
+		redis.call('RPUSH', P .. 'dead', id)
+		hist(ukey, now, 'dead', st[1], attempt, reason)
+		return 2
+	end
+	redis.call('HSET', ukey, 'state', 'pending', 'owner', '', 'attempt', attempt + 1,
+		'last_error', why, 'fail_token', token)
+	redis.call('RPUSH', P .. 'pending', id)
+	hist(ukey, now, 'failed', st[1], attempt, why)
+	wake(P)
+	return 1
+end
+
 -- ARGV: start, count. Reply: (id, reason, attempt, history JSON) per dead unit.
 local function dead_list(keys, args)
 	local P = keys[1]
@@ -489,6 +530,7 @@ redis.register_function('ro_requeue', requeue)
 redis.register_function('ro_release', release)
 redis.register_function('ro_reap', reap_fn)
 redis.register_function('ro_dead_letter', dead_letter)
+redis.register_function('ro_fail', fail_fn)
 redis.register_function('ro_dead_list', dead_list)
 redis.register_function('ro_dead_retry', dead_retry)
 redis.register_function('ro_dead_purge', dead_purge)
