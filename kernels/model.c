@@ -1001,11 +1001,11 @@ int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 	L = &m->L[l];
 	F = L->ffn;
 	if (n * (H * 2 + F * 2) > m->ews_len) {
-		float *p = realloc(m->ews, n * (H * 2 + F * 2) * sizeof(float));
-
-		if (!p)
+		free(m->ews); /* scratch: nothing to keep, and no old and new block at once */
+		m->ews_len = 0;
+		m->ews = malloc(n * (H * 2 + F * 2) * sizeof(float));
+		if (!m->ews)
 			return -ENOMEM;
-		m->ews = p;
 		m->ews_len = n * (H * 2 + F * 2);
 	}
 	xe = m->ews;
@@ -1098,11 +1098,13 @@ static int forward_idle(struct ro_model *m)
 static float *ws_get(struct ro_model *m, size_t floats)
 {
 	if (floats > m->ws_len) {
-		float *p = realloc(m->ws, floats * sizeof(float));
-
-		if (!p)
+		/* free, then allocate: the contents are scratch, and realloc would hold the
+		 * old and the new block at once */
+		free(m->ws);
+		m->ws_len = 0;
+		m->ws = malloc(floats * sizeof(float));
+		if (!m->ws)
 			return NULL;
-		m->ws = p;
 		m->ws_len = floats;
 	}
 	return m->ws;
@@ -1121,15 +1123,16 @@ void ro_model_set_exchange(struct ro_model *m, const struct ro_moe_exchange *x)
 #define HEAD_ROWS 256
 
 /* Floats of the forward's workspace per token: x, h, q, att, k, v, the RoPE cos and sin,
- * the experts' outputs (top_k rows), the dense MLP's gate, up and down, the router's
- * logits. Shared by the forward and ro_model_forward_bytes so the two cannot drift. */
+ * the experts' outputs (top_k rows), the dense MLP's gate, up and down (when a layer is
+ * dense), the router's logits. Shared by the forward and ro_model_forward_bytes so the two cannot
+ * drift. */
 static size_t ws_per_token(const struct ro_model_config *c)
 {
 	const size_t H = c->hidden, hd = c->head_dim, qd = (size_t)c->heads * hd,
 		     kvd = (size_t)c->kv_heads * hd;
-	const size_t F = c->expert_ffn > c->dense_ffn ? c->expert_ffn : c->dense_ffn;
+	const size_t dense = c->dense_layers ? (size_t)c->dense_ffn * 2 + H : 0;
 
-	return H * 2 + qd * 2 + kvd * 2 + hd + (size_t)c->top_k * H + F * 2 + H + c->experts;
+	return H * 2 + qd * 2 + kvd * 2 + hd + (size_t)c->top_k * H + dense + c->experts;
 }
 
 /* Logit rows an item gets: one per token with all_logits, else one for its last token. */
@@ -1201,10 +1204,10 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	f.cs = f.v + (size_t)T * kvd;
 	f.sn = f.cs + (size_t)T * hd / 2;
 	{
-		const uint32_t F = c->expert_ffn > c->dense_ffn ? c->expert_ffn : c->dense_ffn;
+		const size_t dense = c->dense_layers ? (size_t)c->dense_ffn * 2 + H : 0;
 		float *moe_out = f.sn + (size_t)T * hd / 2;
 		float *scratch = moe_out + (size_t)T * K * H;
-		float *router = scratch + (size_t)T * (F * 2 + H);
+		float *router = scratch + (size_t)T * dense;
 		float *logits = router + (size_t)T * c->experts;
 		uint32_t t = 0, o = 0;
 
@@ -1347,4 +1350,71 @@ out:
 	free(rw);
 	free(out_tok);
 	return r;
+}
+
+/* ---- memory estimates ------------------------------------------------------------------- */
+
+/* A sequence's cache grows by doubling from 64 positions up to max_len; while it grows the
+ * old and the new cache are both held. The largest old one below max_len is the peak's
+ * other half. */
+uint64_t ro_model_seq_bytes(const struct ro_model *m, uint32_t max_len)
+{
+	const uint64_t max = max_len ? max_len : m->c.max_pos;
+	const uint64_t pos = 2ULL * m->c.layers * kv_row(m) * sizeof(float); /* K and V */
+	uint64_t prev = 0;
+
+	for (uint64_t cap = 64; cap < max; cap *= 2)
+		prev = cap;
+	return sizeof(struct ro_seq) + pos * (max + prev);
+}
+
+/* A job array of a phase that adds n jobs: its capacity and, while realloc moves it, the
+ * old half of that. */
+static uint64_t jobs_bytes(uint64_t n)
+{
+	uint64_t cap = n * 2 > 256 ? n * 2 : 256;
+
+	return cap * 3 / 2 * sizeof(struct gemm_job);
+}
+
+/* Rows per job are at least 16 (chunk_for): a bound on a matrix's jobs. */
+static uint64_t njobs(uint64_t rows)
+{
+	return rows / 16 + 1;
+}
+
+/* Everything ro_model_forward allocates, as if all of it were live at once: the workspace,
+ * the experts' scratch and their index arrays, the job lists. A bound, not a guess: tests
+ * check it against what malloc is asked for. */
+uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens)
+{
+	const struct ro_model_config *c = &m->c;
+	const uint64_t T = tokens, TK = T * c->top_k, H = c->hidden, E = c->experts;
+	const uint64_t qd = (uint64_t)c->heads * c->head_dim, kvd = kv_row(m);
+	uint64_t b, fj, ej;
+	bool moe = false;
+
+	if (!tokens)
+		return 0;
+	for (uint32_t l = 0; l < c->layers; l++)
+		moe = moe || !m->L[l].dense;
+	b = ws_floats(c, T, T) * sizeof(float);
+	/* f.seq, f.pos, ids, rw, out_tok */
+	b += T * (sizeof(struct ro_seq *) + sizeof(uint32_t) * 2) + TK * (sizeof(int32_t) * 2);
+	fj = njobs(qd) + njobs(kvd) * 2;
+	fj = fj > njobs(H) ? fj : njobs(H);
+	fj = fj > njobs(c->dense_ffn) * 2 ? fj : njobs(c->dense_ffn) * 2;
+	fj = fj > njobs(E) ? fj : njobs(E);
+	fj = fj > njobs(c->vocab) ? fj : njobs(c->vocab);
+	b += jobs_bytes(fj);
+	if (moe) {
+		/* local_experts' row pointers; ro_model_experts' scratch, counts and slots */
+		b += TK * sizeof(float *);
+		b += TK * (H * 2 + (uint64_t)c->expert_ffn * 2) * sizeof(float);
+		b += (E + 1) * sizeof(uint32_t) * 2 + TK * sizeof(uint32_t);
+		ej = E * njobs(c->expert_ffn) * 2;
+		ej = ej > E * njobs(H) ? ej : E * njobs(H);
+		b += jobs_bytes(ej);
+	}
+	return b;
 }
