@@ -80,3 +80,5 @@ void ro_gemm_rows(const struct ro_mat *W, const float *x, uint32_t T, float *y, 
 bool ro_cpu_has_avx2(void);
 void ro_kernels_force_scalar(bool scalar);
 const char *ro_kernels_name(void);
+/* The AVX2 kernels are in use (the CPU has them and the portable ones are not forced). */
+bool ro_kernels_avx2(void);

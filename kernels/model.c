@@ -13,6 +13,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "kernels/internal.h"
 #include "kernels/model.h"
 
@@ -717,9 +721,135 @@ struct fwd {
 	uint32_t T, layer;
 	struct ro_seq **seq;
 	uint32_t *pos;
-	float *x, *h, *q, *k, *v, *att, *cs, *sn, *scores;
-	uint32_t max_ctx;
+	float *x, *h, *q, *k, *v, *att, *cs, *sn;
+	bool avx2;
 };
+
+/* Keys per attention tile. Tiles are counted from position 0 of the sequence, so the tiles
+ * of a query (and with them every rounding of its running softmax) follow from its own
+ * position alone, never from the chunk or the batch it arrived in. */
+#define ATT_TILE 64
+
+/* One query row against keys [0, n) of its sequence, flash-attention style: keys in tiles
+ * of ATT_TILE positions, a running max and sum, and the output accumulated in out (rescaled
+ * whenever a tile raises the max), then divided by the sum once. The only scratch is one
+ * tile of scores on the stack, whatever the context. Every float is computed the same way
+ * for a given position, whether the query's neighbours in its chunk came in this call or an
+ * earlier one: this is what keeps a chunked prefill bitwise a full one.
+ *
+ * Each output element takes its tile's terms in key order; the loops run over elements
+ * first or keys first as suits the vector width, which changes no rounding. */
+static void attend_portable(const float *q, const float *K, const float *V, uint32_t row,
+			    uint32_t n, uint32_t hd, float scale, float *out)
+{
+	float sc[ATT_TILE], mx = -INFINITY, sum = 0;
+
+	for (uint32_t d = 0; d < hd; d++)
+		out[d] = 0;
+	for (uint32_t p0 = 0; p0 < n; p0 += ATT_TILE) {
+		const uint32_t w = n - p0 < ATT_TILE ? n - p0 : ATT_TILE;
+		float tmx = mx;
+
+		for (uint32_t j = 0; j < w; j++) {
+			sc[j] = dotf(q, K + (size_t)(p0 + j) * row, hd) * scale;
+			if (sc[j] > tmx)
+				tmx = sc[j];
+		}
+		if (tmx > mx) {
+			/* the max grew: rescale what is summed so far (zeros in the first tile) */
+			const float a = expf(mx - tmx);
+
+			sum = sum * a;
+			for (uint32_t d = 0; d < hd; d++)
+				out[d] = out[d] * a;
+			mx = tmx;
+		}
+		for (uint32_t j = 0; j < w; j++) {
+			sc[j] = expf(sc[j] - mx);
+			sum = sum + sc[j];
+		}
+		for (uint32_t j = 0; j < w; j++) {
+			const float *vr = V + (size_t)(p0 + j) * row;
+
+			for (uint32_t d = 0; d < hd; d++)
+				out[d] = out[d] + sc[j] * vr[d];
+		}
+	}
+	for (uint32_t d = 0; d < hd; d++)
+		out[d] = out[d] / sum;
+}
+
+#if defined(__x86_64__)
+#define AVX2 __attribute__((target("avx2")))
+
+/* dotf's tree: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) */
+static inline AVX2 float hsum8(__m256 v)
+{
+	__m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+	__m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+
+	return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+/* attend_portable with 8-wide vectors, bitwise the same: a multiply then an add for every
+ * lane where the portable code has a * b + c (no FMA, -ffp-contract=off), the dot product's
+ * eight accumulators as one register, the output eight elements at a time. */
+static AVX2 void attend_avx2(const float *q, const float *K, const float *V, uint32_t row,
+			     uint32_t n, uint32_t hd, float scale, float *out)
+{
+	const uint32_t h8 = hd & ~7u;
+	float sc[ATT_TILE], mx = -INFINITY, sum = 0;
+
+	for (uint32_t d = 0; d < hd; d++)
+		out[d] = 0;
+	for (uint32_t p0 = 0; p0 < n; p0 += ATT_TILE) {
+		const uint32_t w = n - p0 < ATT_TILE ? n - p0 : ATT_TILE;
+		float tmx = mx;
+
+		for (uint32_t j = 0; j < w; j++) {
+			const float *kr = K + (size_t)(p0 + j) * row;
+			__m256 acc = _mm256_setzero_ps();
+			float s;
+
+			for (uint32_t k = 0; k < h8; k += 8)
+				acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + k),
+								       _mm256_loadu_ps(kr + k)));
+			s = hsum8(acc);
+			for (uint32_t k = h8; k < hd; k++)
+				s = s + q[k] * kr[k];
+			sc[j] = s * scale;
+			if (sc[j] > tmx)
+				tmx = sc[j];
+		}
+		if (tmx > mx) {
+			const float a = expf(mx - tmx);
+
+			sum = sum * a;
+			for (uint32_t d = 0; d < hd; d++)
+				out[d] = out[d] * a;
+			mx = tmx;
+		}
+		for (uint32_t j = 0; j < w; j++) {
+			sc[j] = expf(sc[j] - mx);
+			sum = sum + sc[j];
+		}
+		for (uint32_t d = 0; d < h8; d += 8) {
+			const float *vr = V + (size_t)p0 * row + d;
+			__m256 o = _mm256_loadu_ps(out + d);
+
+			for (uint32_t j = 0; j < w; j++, vr += row)
+				o = _mm256_add_ps(
+				    o, _mm256_mul_ps(_mm256_set1_ps(sc[j]), _mm256_loadu_ps(vr)));
+			_mm256_storeu_ps(out + d, o);
+		}
+		for (uint32_t d = h8; d < hd; d++)
+			for (uint32_t j = 0; j < w; j++)
+				out[d] = out[d] + sc[j] * V[(size_t)(p0 + j) * row + d];
+	}
+	for (uint32_t d = 0; d < hd; d++)
+		out[d] = out[d] / sum;
+}
+#endif
 
 static void attend_one(void *arg, uint32_t i)
 {
@@ -728,35 +858,19 @@ static void attend_one(void *arg, uint32_t i)
 	const uint32_t hd = c->head_dim, t = i / c->heads, hh = i % c->heads;
 	const uint32_t kvh = hh / (c->heads / c->kv_heads), row = c->kv_heads * hd;
 	const struct ro_seq *s = f->seq[t];
-	const uint32_t n = f->pos[t] + 1;
 	const float *q = f->q + (size_t)t * c->heads * hd + (size_t)hh * hd;
 	const float *K = s->k + (size_t)f->layer * s->cap * row + (size_t)kvh * hd;
 	const float *V = s->v + (size_t)f->layer * s->cap * row + (size_t)kvh * hd;
-	float *sc = f->scores + (size_t)i * f->max_ctx;
 	float *out = f->att + (size_t)t * c->heads * hd + (size_t)hh * hd;
 	const float scale = (float)(1.0 / sqrt((double)hd));
-	float mx = -INFINITY, sum = 0;
 
-	/* keys in position order, one pass each: the same arithmetic for a query whether
-	 * its neighbours in the chunk came before it in this call or in an earlier one */
-	for (uint32_t p = 0; p < n; p++) {
-		sc[p] = dotf(q, K + (size_t)p * row, hd) * scale;
-		if (sc[p] > mx)
-			mx = sc[p];
+#if defined(__x86_64__)
+	if (f->avx2) {
+		attend_avx2(q, K, V, row, f->pos[t] + 1, hd, scale, out);
+		return;
 	}
-	for (uint32_t p = 0; p < n; p++) {
-		sc[p] = expf(sc[p] - mx);
-		sum += sc[p];
-	}
-	for (uint32_t d = 0; d < hd; d++)
-		out[d] = 0;
-	for (uint32_t p = 0; p < n; p++) {
-		const float w = sc[p] / sum;
-		const float *vr = V + (size_t)p * row;
-
-		for (uint32_t d = 0; d < hd; d++)
-			out[d] = out[d] + w * vr[d];
-	}
+#endif
+	attend_portable(q, K, V, row, f->pos[t] + 1, hd, scale, out);
 }
 
 static void qk_rope_store(void *arg, uint32_t t)
@@ -887,11 +1001,11 @@ int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 	L = &m->L[l];
 	F = L->ffn;
 	if (n * (H * 2 + F * 2) > m->ews_len) {
-		float *p = realloc(m->ews, n * (H * 2 + F * 2) * sizeof(float));
-
-		if (!p)
+		free(m->ews); /* scratch: nothing to keep, and no old and new block at once */
+		m->ews_len = 0;
+		m->ews = malloc(n * (H * 2 + F * 2) * sizeof(float));
+		if (!m->ews)
 			return -ENOMEM;
-		m->ews = p;
 		m->ews_len = n * (H * 2 + F * 2);
 	}
 	xe = m->ews;
@@ -984,11 +1098,13 @@ static int forward_idle(struct ro_model *m)
 static float *ws_get(struct ro_model *m, size_t floats)
 {
 	if (floats > m->ws_len) {
-		float *p = realloc(m->ws, floats * sizeof(float));
-
-		if (!p)
+		/* free, then allocate: the contents are scratch, and realloc would hold the
+		 * old and the new block at once */
+		free(m->ws);
+		m->ws_len = 0;
+		m->ws = malloc(floats * sizeof(float));
+		if (!m->ws)
 			return NULL;
-		m->ws = p;
 		m->ws_len = floats;
 	}
 	return m->ws;
@@ -1001,18 +1117,46 @@ void ro_model_set_exchange(struct ro_model *m, const struct ro_moe_exchange *x)
 		m->xch = *x;
 }
 
+/* Logit rows the LM head computes per pass: the forward's logits scratch is at most this
+ * many rows whatever the batch (the head's weights are read once per pass; a decode batch
+ * up to this size is one pass). */
+#define HEAD_ROWS 256
+
+/* Floats of the forward's workspace per token: x, h, q, att, k, v, the RoPE cos and sin,
+ * the experts' outputs (top_k rows), the dense MLP's gate, up and down (when a layer is
+ * dense), the router's logits. Shared by the forward and ro_model_forward_bytes so the two cannot
+ * drift. */
+static size_t ws_per_token(const struct ro_model_config *c)
+{
+	const size_t H = c->hidden, hd = c->head_dim, qd = (size_t)c->heads * hd,
+		     kvd = (size_t)c->kv_heads * hd;
+	const size_t dense = c->dense_layers ? (size_t)c->dense_ffn * 2 + H : 0;
+
+	return H * 2 + qd * 2 + kvd * 2 + hd + (size_t)c->top_k * H + dense + c->experts;
+}
+
+/* Logit rows an item gets: one per token with all_logits, else one for its last token. */
+static uint32_t item_rows(const struct ro_fwd_item *it)
+{
+	return it->all_logits ? it->n : (it->n ? 1 : 0);
+}
+
+static size_t ws_floats(const struct ro_model_config *c, size_t T, size_t n_out)
+{
+	return T * ws_per_token(c) + (n_out < HEAD_ROWS ? n_out : HEAD_ROWS) * c->vocab;
+}
+
 int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count)
 {
 	const struct ro_model_config *c = &m->c;
 	const uint32_t H = c->hidden, hd = c->head_dim, qd = c->heads * hd,
 		       kvd = c->kv_heads * hd, K = c->top_k;
-	uint32_t T = 0, n_out = 0, F = c->expert_ffn > c->dense_ffn ? c->expert_ffn : c->dense_ffn;
+	uint32_t T = 0, n_out = 0;
 	struct fwd f = {.m = m};
 	struct jobs J = {0};
 	int32_t *ids = NULL;
 	float *rw = NULL;
 	uint32_t *out_tok = NULL;
-	size_t need;
 	float *p;
 	int r = 0;
 
@@ -1028,9 +1172,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			if (items[k].seq == items[i].seq)
 				return -EINVAL; /* one entry per sequence and batch */
 		T += items[i].n;
-		n_out += items[i].all_logits ? items[i].n : (items[i].n ? 1 : 0);
-		if (items[i].seq->len + items[i].n > f.max_ctx)
-			f.max_ctx = items[i].seq->len + items[i].n;
+		n_out += item_rows(&items[i]);
 	}
 	if (!T)
 		return m->have_xch ? forward_idle(m) : 0;
@@ -1040,10 +1182,8 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 		if (r)
 			return r;
 	}
-	need = (size_t)T * (H * 2 + qd * 2 + kvd * 2 + hd) + (size_t)T * c->heads * f.max_ctx +
-	       (size_t)T * K * H + /* moe out */
-	       (size_t)T * K * (H * 2 + F * 2) + (size_t)T * (F * 2 + H) + (size_t)T * c->experts;
-	p = ws_get(m, need);
+	/* O(tokens x hidden): attention keeps its scores in a tile on each thread's stack */
+	p = ws_get(m, ws_floats(c, T, n_out));
 	f.seq = malloc(T * sizeof(*f.seq));
 	f.pos = malloc(T * sizeof(*f.pos));
 	ids = malloc((size_t)T * K * sizeof(*ids));
@@ -1054,6 +1194,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 		goto out;
 	}
 	f.T = T;
+	f.avx2 = ro_kernels_avx2();
 	f.x = p;
 	f.h = f.x + (size_t)T * H;
 	f.q = f.h + (size_t)T * H;
@@ -1062,11 +1203,12 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	f.v = f.k + (size_t)T * kvd;
 	f.cs = f.v + (size_t)T * kvd;
 	f.sn = f.cs + (size_t)T * hd / 2;
-	f.scores = f.sn + (size_t)T * hd / 2;
 	{
-		float *moe_out = f.scores + (size_t)T * c->heads * f.max_ctx;
+		const size_t dense = c->dense_layers ? (size_t)c->dense_ffn * 2 + H : 0;
+		float *moe_out = f.sn + (size_t)T * hd / 2;
 		float *scratch = moe_out + (size_t)T * K * H;
-		float *router = scratch + (size_t)T * K * (H * 2 + F * 2) + (size_t)T * (F * 2 + H);
+		float *router = scratch + (size_t)T * dense;
+		float *logits = router + (size_t)T * c->experts;
 		uint32_t t = 0, o = 0;
 
 		for (size_t i = 0; i < count; i++) {
@@ -1169,34 +1311,33 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			rmsnorm(f.x + (size_t)out_tok[o] * H, m->final_norm, H, c->rms_eps,
 				f.h + (size_t)o * H);
 		{
-			float *logits = scratch; /* n_out x vocab may be large: own buffer */
-			float *big = NULL;
+			/* the head in passes of HEAD_ROWS rows: a row's logits are the same bits
+			 * whatever the pass holds (ro_gemm_rows), and the scratch stays bounded
+			 * however many rows all_logits asks for */
+			size_t it = 0;
+			uint32_t it_row = 0;
 
-			if ((size_t)n_out * c->vocab > (size_t)T * K * (H * 2 + F * 2)) {
-				big = malloc((size_t)n_out * c->vocab * sizeof(float));
-				if (!big) {
-					r = -ENOMEM;
-					goto out;
-				}
-				logits = big;
-			}
-			r = jobs_add(&J, &m->head, f.h, n_out, logits, c->vocab,
-				     chunk_for(m, c->vocab, n_out, 1));
-			if (!r) {
+			for (uint32_t o0 = 0; o0 < n_out && !r; o0 += HEAD_ROWS) {
+				const uint32_t rows =
+				    n_out - o0 > HEAD_ROWS ? HEAD_ROWS : n_out - o0;
+
+				r = jobs_add(&J, &m->head, f.h + (size_t)o0 * H, rows, logits,
+					     c->vocab, chunk_for(m, c->vocab, rows, 1));
+				if (r)
+					break;
 				run_jobs(m, &J);
-				o = 0;
-				t = 0;
-				for (size_t i = 0; i < count; i++) {
-					uint32_t rows = items[i].all_logits ? items[i].n
-									    : (items[i].n ? 1 : 0);
-
-					if (items[i].logits && rows)
-						memcpy(items[i].logits, logits + (size_t)o * c->vocab,
-						       (size_t)rows * c->vocab * sizeof(float));
-					o += rows;
+				for (o = 0; o < rows; o++, it_row++) {
+					/* items own consecutive rows: find this one's */
+					while (it_row == item_rows(&items[it])) {
+						it++;
+						it_row = 0;
+					}
+					if (items[it].logits)
+						memcpy(items[it].logits + (size_t)it_row * c->vocab,
+						       logits + (size_t)o * c->vocab,
+						       c->vocab * sizeof(float));
 				}
 			}
-			free(big);
 		}
 		for (size_t i = 0; i < count && !r; i++)
 			items[i].seq->len += items[i].n;
@@ -1209,4 +1350,71 @@ out:
 	free(rw);
 	free(out_tok);
 	return r;
+}
+
+/* ---- memory estimates ------------------------------------------------------------------- */
+
+/* A sequence's cache grows by doubling from 64 positions up to max_len; while it grows the
+ * old and the new cache are both held. The largest old one below max_len is the peak's
+ * other half. */
+uint64_t ro_model_seq_bytes(const struct ro_model *m, uint32_t max_len)
+{
+	const uint64_t max = max_len ? max_len : m->c.max_pos;
+	const uint64_t pos = 2ULL * m->c.layers * kv_row(m) * sizeof(float); /* K and V */
+	uint64_t prev = 0;
+
+	for (uint64_t cap = 64; cap < max; cap *= 2)
+		prev = cap;
+	return sizeof(struct ro_seq) + pos * (max + prev);
+}
+
+/* A job array of a phase that adds n jobs: its capacity and, while realloc moves it, the
+ * old half of that. */
+static uint64_t jobs_bytes(uint64_t n)
+{
+	uint64_t cap = n * 2 > 256 ? n * 2 : 256;
+
+	return cap * 3 / 2 * sizeof(struct gemm_job);
+}
+
+/* Rows per job are at least 16 (chunk_for): a bound on a matrix's jobs. */
+static uint64_t njobs(uint64_t rows)
+{
+	return rows / 16 + 1;
+}
+
+/* Everything ro_model_forward allocates, as if all of it were live at once: the workspace,
+ * the experts' scratch and their index arrays, the job lists. A bound, not a guess: tests
+ * check it against what malloc is asked for. */
+uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens)
+{
+	const struct ro_model_config *c = &m->c;
+	const uint64_t T = tokens, TK = T * c->top_k, H = c->hidden, E = c->experts;
+	const uint64_t qd = (uint64_t)c->heads * c->head_dim, kvd = kv_row(m);
+	uint64_t b, fj, ej;
+	bool moe = false;
+
+	if (!tokens)
+		return 0;
+	for (uint32_t l = 0; l < c->layers; l++)
+		moe = moe || !m->L[l].dense;
+	b = ws_floats(c, T, T) * sizeof(float);
+	/* f.seq, f.pos, ids, rw, out_tok */
+	b += T * (sizeof(struct ro_seq *) + sizeof(uint32_t) * 2) + TK * (sizeof(int32_t) * 2);
+	fj = njobs(qd) + njobs(kvd) * 2;
+	fj = fj > njobs(H) ? fj : njobs(H);
+	fj = fj > njobs(c->dense_ffn) * 2 ? fj : njobs(c->dense_ffn) * 2;
+	fj = fj > njobs(E) ? fj : njobs(E);
+	fj = fj > njobs(c->vocab) ? fj : njobs(c->vocab);
+	b += jobs_bytes(fj);
+	if (moe) {
+		/* local_experts' row pointers; ro_model_experts' scratch, counts and slots */
+		b += TK * sizeof(float *);
+		b += TK * (H * 2 + (uint64_t)c->expert_ffn * 2) * sizeof(float);
+		b += (E + 1) * sizeof(uint32_t) * 2 + TK * sizeof(uint32_t);
+		ej = E * njobs(c->expert_ffn) * 2;
+		ej = ej > E * njobs(H) ? ej : E * njobs(H);
+		b += jobs_bytes(ej);
+	}
+	return b;
 }

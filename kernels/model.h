@@ -61,6 +61,17 @@ uint32_t ro_seq_max(const struct ro_seq *s);
 /* Forget positions from len on (len <= current length). */
 void ro_seq_truncate(struct ro_seq *s, uint32_t len);
 
+/* Memory for admission control, in bytes. ro_model_seq_bytes: the most a sequence made by
+ * ro_seq_new(m, max_len) holds at once (its K and V cache, grown to max_len, and the moment
+ * it grows, when the old and the new cache are both held). ro_model_forward_bytes: the
+ * most one ro_model_forward with `tokens` tokens in all allocates at once, its logits rows
+ * included (not the sequences' caches, not the caller's logits). The model keeps the
+ * largest workspace a forward needed until it is freed, so that much stays held after such
+ * a call. Without an expert-parallel transport; with one, a rank also runs the (token,
+ * expert) pairs other ranks send it, and the transport has its own buffers. */
+uint64_t ro_model_seq_bytes(const struct ro_model *m, uint32_t max_len);
+uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens);
+
 /* One entry of a batch: n tokens appended to seq. logits (vocab floats) receives the
  * logits after the last token; with all_logits, n * vocab floats, one row per token. */
 struct ro_fwd_item {

@@ -1,7 +1,10 @@
 /* kernels/: numeric agreement with the independent numpy reference (tests/ref/ref_moe.py)
  * for Qwen3-MoE and Mixtral in f32 and bf16, greedy decoding token for token, batch
- * invariance and prefill-chunk invariance bitwise, resume from a prefix bitwise, the
- * sampler, and every bad model file refused with a message naming what is wrong. */
+ * invariance and prefill-chunk invariance bitwise (short prompts and prompts of hundreds of
+ * tokens, chunks mixed with other sequences' decode tokens), long prompts with bounded
+ * scratch, the memory estimates against what malloc is asked for, resume from a prefix
+ * bitwise, the sampler, and every bad model file refused with a message naming what is
+ * wrong. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -13,6 +16,124 @@
 #include <unistd.h>
 
 #include "kernels/model.h"
+
+/* ---- counting allocator ------------------------------------------------------------------ *
+ * malloc, calloc, realloc and free of this process, passed on to glibc's; while counting is
+ * on, the size asked for of every block allocated since is kept by address, with the live
+ * total and its peak. Blocks from before are not counted when freed. Not under ASan, whose
+ * own allocator must see every block. */
+#if defined(__SANITIZE_ADDRESS__)
+#define NO_COUNTING 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define NO_COUNTING 1
+#endif
+#endif
+
+#ifndef NO_COUNTING
+#include <pthread.h>
+
+extern void *__libc_malloc(size_t n);
+extern void *__libc_calloc(size_t n, size_t size);
+extern void *__libc_realloc(void *p, size_t n);
+extern void __libc_free(void *p);
+
+#define NSLOT (1u << 16)
+#define TOMB ((void *)1)
+
+static struct {
+	void *p;
+	size_t n;
+} slots[NSLOT];
+static pthread_mutex_t count_mu = PTHREAD_MUTEX_INITIALIZER;
+static volatile int counting;
+static size_t live, peak;
+
+static size_t slot_of(const void *p)
+{
+	return ((uintptr_t)p >> 4) * 0x9E3779B97F4A7C15ull >> 48;
+}
+
+static void count_add(void *p, size_t n)
+{
+	size_t i = slot_of(p);
+
+	if (!p || !counting)
+		return;
+	pthread_mutex_lock(&count_mu);
+	while (slots[i].p && slots[i].p != TOMB)
+		i = (i + 1) % NSLOT;
+	slots[i].p = p;
+	slots[i].n = n;
+	live += n;
+	if (live > peak)
+		peak = live;
+	pthread_mutex_unlock(&count_mu);
+}
+
+static void count_del(void *p)
+{
+	size_t i = slot_of(p);
+
+	if (!p || !counting)
+		return;
+	pthread_mutex_lock(&count_mu);
+	for (; slots[i].p; i = (i + 1) % NSLOT)
+		if (slots[i].p == p) {
+			live -= slots[i].n;
+			slots[i].p = TOMB;
+			break;
+		}
+	pthread_mutex_unlock(&count_mu);
+}
+
+void *malloc(size_t n)
+{
+	void *p = __libc_malloc(n);
+
+	count_add(p, n);
+	return p;
+}
+
+void *calloc(size_t n, size_t size)
+{
+	void *p = __libc_calloc(n, size);
+
+	count_add(p, n * size);
+	return p;
+}
+
+void *realloc(void *old, size_t n)
+{
+	void *p;
+
+	count_del(old);
+	p = __libc_realloc(old, n);
+	count_add(p, n);
+	return p;
+}
+
+void free(void *p)
+{
+	count_del(p);
+	__libc_free(p);
+}
+
+static void count_start(void)
+{
+	pthread_mutex_lock(&count_mu);
+	memset(slots, 0, sizeof(slots));
+	live = peak = 0;
+	counting = 1;
+	pthread_mutex_unlock(&count_mu);
+}
+
+static void count_stop(void)
+{
+	counting = 0;
+}
+
+#endif
 
 static char tmp[64];
 
@@ -93,15 +214,17 @@ static const char *ref_script(void)
 static float *reference(const char *sub, const int32_t *prompt, uint32_t n, uint32_t V,
 			int32_t *greedy, uint32_t n_greedy)
 {
-	char cmd[2048], ids[512] = "", *out = NULL;
+	const size_t idlen = (size_t)n * 12 + 1, cmdlen = idlen + 2048;
+	char *cmd = malloc(cmdlen), *ids = malloc(idlen), *out = NULL;
 	size_t cap = 0, got;
 	FILE *f;
 	float *l = malloc((size_t)n * V * sizeof(float));
 	size_t off = 0;
 
+	ids[0] = 0;
 	for (uint32_t i = 0; i < n; i++)
-		off += (size_t)snprintf(ids + off, sizeof(ids) - off, "%s%d", i ? "," : "", prompt[i]);
-	(void)snprintf(cmd, sizeof(cmd), "%s %s --model %s --prompt %s --logits %s --greedy %u",
+		off += (size_t)snprintf(ids + off, idlen - off, "%s%d", i ? "," : "", prompt[i]);
+	(void)snprintf(cmd, cmdlen, "%s %s --model %s --prompt %s --logits %s --greedy %u",
 		       python(), ref_script(), path(sub), ids, path("ref.f32"), n_greedy);
 	f = popen(cmd, "r");
 	cr_assert_not_null(f);
@@ -116,6 +239,8 @@ static float *reference(const char *sub, const int32_t *prompt, uint32_t n, uint
 		}
 	}
 	free(out);
+	free(cmd);
+	free(ids);
 	f = fopen(path("ref.f32"), "rb");
 	cr_assert_not_null(f);
 	got = fread(l, sizeof(float), (size_t)n * V, f);
@@ -407,6 +532,369 @@ Test(model, fork_shares_the_prompt_prefill)
 	ro_seq_free(f);
 	free(la);
 	free(lf);
+	ro_model_free(m);
+}
+
+/* ---- long prompts: tiled attention, chunking, bounded scratch ------------------------------- */
+
+/* A prompt of n tokens below V, different for each salt. */
+static int32_t *prompt_of(uint32_t n, uint32_t V, uint32_t salt)
+{
+	int32_t *p = malloc(n * sizeof(*p));
+
+	for (uint32_t i = 0; i < n; i++)
+		p[i] = (int32_t)(((uint64_t)i * 104729 + salt * 7919 + 17) % V);
+	return p;
+}
+
+/* The logits of every position of p[n], prefilled into a fresh sequence in chunks. */
+static float *prefill_rows(struct ro_model *m, const int32_t *p, uint32_t n, uint32_t chunk)
+{
+	const uint32_t V = ro_model_config(m)->vocab;
+	float *rows = malloc((size_t)n * V * sizeof(float));
+	struct ro_seq *s;
+
+	cr_assert_eq(ro_seq_new(m, n, &s), 0);
+	for (uint32_t i = 0; i < n; i += chunk) {
+		uint32_t c = i + chunk < n ? chunk : n - i;
+		struct ro_fwd_item it = {s, p + i, c, rows + (size_t)i * V, true};
+
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0, "chunk of %u at %u", c, i);
+	}
+	ro_seq_free(s);
+	return rows;
+}
+
+/* A prompt of several attention tiles, against the reference at every position. */
+Test(model, long_prompt_matches_reference)
+{
+	const uint32_t n = 200;
+	struct ro_model *m;
+	float *ref, *got, maxerr = 0, maxabs = 0;
+	int32_t *p;
+	uint32_t V;
+
+	make("long", RO_ARCH_QWEN3_MOE, "F32", 1, 0);
+	m = load("long", false);
+	V = ro_model_config(m)->vocab;
+	p = prompt_of(n, V, 1);
+	ref = reference("long", p, n, V, NULL, 0);
+	got = prefill_rows(m, p, n, n);
+	for (size_t i = 0; i < (size_t)n * V; i++) {
+		float e = fabsf(got[i] - ref[i]);
+
+		maxerr = e > maxerr ? e : maxerr;
+		maxabs = fabsf(ref[i]) > maxabs ? fabsf(ref[i]) : maxabs;
+	}
+	cr_expect_leq(maxerr / maxabs, 1e-4, "max abs error %g of max |logit| %g", maxerr, maxabs);
+	(void)fprintf(stderr, "ref agreement %u tokens: max abs err %.3g, relative %.3g\n", n,
+		      maxerr, maxerr / maxabs);
+	free(p);
+	free(ref);
+	free(got);
+	ro_model_free(m);
+}
+
+/* A prompt of 300 tokens (tiles of attention and a partial one) prefilled whole, in chunks
+ * of 1 (token-by-token decode), 7, 64 and 100, and in chunks of 50 inside batches where
+ * other sequences decode (and one prefills): every position's logits the same bits. The
+ * decoding sequences get the bits they get alone, too. */
+static void chunked_prefill(const char *sub, enum ro_arch arch, uint64_t dense)
+{
+	const uint32_t n = 300, chunks[] = {1, 7, 64, 100};
+	struct ro_model *m;
+	float *base;
+	int32_t *p;
+	uint32_t V;
+
+	make(sub, arch, "BF16", 1, dense);
+	m = load(sub, false);
+	V = ro_model_config(m)->vocab;
+	p = prompt_of(n, V, 2);
+	base = prefill_rows(m, p, n, n);
+	for (size_t c = 0; c < sizeof(chunks) / sizeof(chunks[0]); c++) {
+		float *rows = prefill_rows(m, p, n, chunks[c]);
+
+		for (uint32_t i = 0; i < n; i++)
+			cr_expect_eq(
+			    memcmp(base + (size_t)i * V, rows + (size_t)i * V, V * sizeof(float)),
+			    0, "%s: chunks of %u: position %u differs from one prefill", sub,
+			    chunks[c], i);
+		free(rows);
+	}
+	{
+		/* the prompt in chunks of 50, each in one batch with three decoding sequences
+		 * (alone twins beside them) and, once, another sequence's prefill */
+		enum { D = 3 };
+		struct ro_seq *x, *d[D], *twin[D], *o;
+		float *rows = malloc((size_t)n * V * sizeof(float)),
+		      *ld = malloc(D * V * sizeof(float));
+		float *lt = malloc(D * V * sizeof(float)), *lo = malloc(V * sizeof(float));
+		int32_t tok[D], *po = prompt_of(40, V, 3);
+
+		cr_assert_eq(ro_seq_new(m, n, &x), 0);
+		cr_assert_eq(ro_seq_new(m, 64, &o), 0);
+		for (int k = 0; k < D; k++) {
+			int32_t *pd = prompt_of(5 + 3 * k, V, 10 + k);
+			struct ro_fwd_item it;
+
+			cr_assert_eq(ro_seq_new(m, 64, &d[k]), 0);
+			it = (struct ro_fwd_item){d[k], pd, 5 + 3 * k, ld + (size_t)k * V, false};
+			cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+			cr_assert_eq(ro_seq_fork(d[k], &twin[k]), 0);
+			memcpy(lt + (size_t)k * V, ld + (size_t)k * V, V * sizeof(float));
+			free(pd);
+		}
+		for (uint32_t i = 0, step = 0; i < n; i += 50, step++) {
+			struct ro_fwd_item b[D + 2];
+			size_t k = 0;
+
+			for (int j = 0; j < D; j++) {
+				tok[j] = ro_sample(ld + (size_t)j * V, V, &(struct ro_sampling){0},
+						   0, 0, 0, NULL);
+				cr_assert_eq(tok[j],
+					     ro_sample(lt + (size_t)j * V, V,
+						       &(struct ro_sampling){0}, 0, 0, 0, NULL));
+			}
+			/* the prompt's chunk between decode items; another prefill at step 2 */
+			b[k++] = (struct ro_fwd_item){d[0], &tok[0], 1, ld, false};
+			b[k++] = (struct ro_fwd_item){x, p + i, 50, rows + (size_t)i * V, true};
+			if (step == 2)
+				b[k++] = (struct ro_fwd_item){o, po, 40, lo, false};
+			for (int j = 1; j < D; j++)
+				b[k++] = (struct ro_fwd_item){d[j], &tok[j], 1, ld + (size_t)j * V,
+							      false};
+			cr_assert_eq(ro_model_forward(m, b, k), 0);
+			for (int j = 0; j < D; j++) {
+				struct ro_fwd_item it = {twin[j], &tok[j], 1, lt + (size_t)j * V,
+							 false};
+
+				cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+			}
+			cr_expect_eq(memcmp(ld, lt, D * V * sizeof(float)), 0,
+				     "%s: step %u: a decoding sequence differs from its twin alone",
+				     sub, step);
+		}
+		for (uint32_t i = 0; i < n; i++)
+			cr_expect_eq(
+			    memcmp(base + (size_t)i * V, rows + (size_t)i * V, V * sizeof(float)),
+			    0, "%s: mixed batches: position %u differs from one prefill", sub, i);
+		ro_seq_free(x);
+		ro_seq_free(o);
+		for (int k = 0; k < D; k++) {
+			ro_seq_free(d[k]);
+			ro_seq_free(twin[k]);
+		}
+		free(rows);
+		free(ld);
+		free(lt);
+		free(lo);
+		free(po);
+	}
+	free(base);
+	free(p);
+	ro_model_free(m);
+}
+
+Test(model, chunked_prefill_qwen3_is_bitwise_invariant)
+{
+	chunked_prefill("chq3", RO_ARCH_QWEN3_MOE, 1ULL << 1);
+}
+
+Test(model, chunked_prefill_mixtral_is_bitwise_invariant)
+{
+	chunked_prefill("chmx", RO_ARCH_MIXTRAL, 0);
+}
+
+/* What one forward of n tokens allocates beyond the sequence's cache, and that cache: the
+ * cache is what ro_seq_free gives back, the forward's part the peak less the cache. */
+struct fwd_mem {
+	size_t peak, cache, kept; /* kept: what the model holds after (its workspace) */
+};
+
+#ifndef NO_COUNTING
+static void measure_forward(struct ro_model *m, const int32_t *p, uint32_t n, bool all,
+			    float *logits, struct fwd_mem *ret)
+{
+	struct ro_seq *s;
+	struct ro_fwd_item it;
+	size_t after;
+	int r1, r2;
+
+	count_start();
+	r1 = ro_seq_new(m, n, &s);
+	it = (struct ro_fwd_item){s, p, n, logits, all};
+	r2 = r1 ? r1 : ro_model_forward(m, &it, 1);
+	after = live;
+	ro_seq_free(s);
+	ret->kept = live;
+	ret->cache = after - live;
+	ret->peak = peak - ret->cache;
+	count_stop();
+	cr_assert_eq(r1, 0);
+	cr_assert_eq(r2, 0);
+}
+#endif
+
+Test(model, memory_estimates_bound_what_is_allocated)
+{
+#ifdef NO_COUNTING
+	cr_skip_test("the counting allocator is off under ASan");
+#else
+	static const struct {
+		uint32_t n;
+		bool all;
+	} cases[] = {{1, false}, {37, false}, {300, true}, {1000, false}, {2000, true}};
+	static const uint32_t lens[] = {1, 50, 64, 100, 300};
+	const enum ro_arch archs[] = {RO_ARCH_QWEN3_MOE, RO_ARCH_MIXTRAL};
+
+	for (size_t a = 0; a < 2; a++) {
+		const char *sub = a ? "memmx" : "memq3";
+		uint32_t V;
+
+		make(sub, archs[a], "BF16", 1, a ? 0 : 1ULL << 2);
+		for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+			/* a fresh model each time: its workspace is allocated while counting */
+			struct ro_model *m = load(sub, false);
+			const uint32_t n = cases[c].n;
+			uint64_t fb, sb;
+			struct fwd_mem fm;
+			float *logits;
+			int32_t *p;
+
+			V = ro_model_config(m)->vocab;
+			p = prompt_of(n, V, 4);
+			logits = malloc((size_t)n * V * sizeof(float));
+			measure_forward(m, p, n, cases[c].all, logits, &fm);
+			fb = ro_model_forward_bytes(m, n);
+			sb = ro_model_seq_bytes(m, n);
+			(void)fprintf(stderr,
+				      "%s forward of %4u tokens%s: peak %zu bytes, estimate %llu; "
+				      "cache %zu, estimate %llu\n",
+				      sub, n, cases[c].all ? " (all logits)" : "", fm.peak,
+				      (unsigned long long)fb, fm.cache, (unsigned long long)sb);
+			cr_expect_leq(fm.peak, fb, "%s, %u tokens: forward allocated %zu > %llu",
+				      sub, n, fm.peak, (unsigned long long)fb);
+			cr_expect_leq(fm.kept, fm.peak);
+			cr_expect_leq(fm.cache, sb, "%s, %u tokens: cache %zu > %llu", sub, n,
+				      fm.cache, (unsigned long long)sb);
+			if (n >= 300) /* past the fixed job lists: within a sane factor */
+				cr_expect_geq(fm.peak * 2, fb,
+					      "%s, %u tokens: %zu of estimate %llu", sub, n,
+					      fm.peak, (unsigned long long)fb);
+			free(p);
+			free(logits);
+			ro_model_free(m);
+		}
+		/* a sequence growing a token at a time (its cache doubling, the old and the new
+		 * copy held together at each step) to max_len */
+		for (size_t c = 0; c < sizeof(lens) / sizeof(lens[0]); c++) {
+			struct ro_model *m = load(sub, false);
+			const uint32_t n = lens[c];
+			int32_t *p;
+			float *l;
+			struct ro_seq *s, *w;
+			size_t full, most, kept;
+			uint64_t sb = ro_model_seq_bytes(m, n);
+			int r = 0;
+
+			V = ro_model_config(m)->vocab;
+			p = prompt_of(n, V, 5);
+			l = malloc(V * sizeof(float));
+			/* the one-token workspace first, outside the count */
+			cr_assert_eq(ro_seq_new(m, 4, &w), 0);
+			cr_assert_eq(
+			    ro_model_forward(m, &(struct ro_fwd_item){w, p, 1, l, false}, 1), 0);
+			ro_seq_free(w);
+			count_start();
+			r = ro_seq_new(m, n, &s);
+			for (uint32_t i = 0; !r && i < n; i++)
+				r = ro_model_forward(
+				    m, &(struct ro_fwd_item){s, p + i, 1, l, false}, 1);
+			full = live;
+			most = peak;
+			ro_seq_free(s);
+			kept = live;
+			count_stop();
+			(void)fprintf(stderr,
+				      "%s sequence of %3u grown a token at a time: peak %zu bytes "
+				      "(with one-token forwards), cache %zu; estimate %llu\n",
+				      sub, n, most - kept, full - kept, (unsigned long long)sb);
+			cr_assert_eq(r, 0);
+			cr_expect_leq(most - kept, sb + ro_model_forward_bytes(m, 1),
+				      "%s, max_len %u: %zu > %llu + one token's forward", sub, n,
+				      most - kept, (unsigned long long)sb);
+			cr_expect_leq(full - kept, sb, "%s, max_len %u", sub, n);
+			cr_expect_geq((full - kept) * 2, sb, "%s, max_len %u: %zu of %llu", sub, n,
+				      full - kept, (unsigned long long)sb);
+			free(p);
+			free(l);
+			ro_model_free(m);
+		}
+		{
+			struct ro_model *m = load(sub, false);
+
+			cr_expect_eq(ro_model_seq_bytes(m, 0),
+				     ro_model_seq_bytes(m, ro_model_config(m)->max_pos));
+			/* linear in the tokens: nothing grows with the square of the context */
+			cr_expect_leq(ro_model_forward_bytes(m, 16000),
+				      2 * ro_model_forward_bytes(m, 8000));
+			ro_model_free(m);
+		}
+	}
+#endif
+}
+
+/* 4096 tokens on the tiny model: the score buffer of old (tokens x heads x context floats,
+ * 268 MB here) is gone; the forward's own allocations stay within the estimate, which is
+ * linear in the tokens, and the last logits are those of a prefill in chunks. */
+Test(model, long_prompt_prefills_with_bounded_scratch)
+{
+	const uint32_t n = 4096;
+	struct ro_model *m;
+	float *whole = NULL, *chunked;
+	int32_t *p;
+	uint32_t V;
+
+	make("big", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	m = load("big", false);
+	V = ro_model_config(m)->vocab;
+	p = prompt_of(n, V, 6);
+	whole = malloc(V * sizeof(float));
+	chunked = malloc(V * sizeof(float));
+#ifndef NO_COUNTING
+	{
+		struct fwd_mem fm;
+		uint64_t fb = ro_model_forward_bytes(m, n);
+
+		measure_forward(m, p, n, false, whole, &fm);
+		(void)fprintf(stderr, "forward of %u tokens: peak %zu bytes, estimate %llu\n", n,
+			      fm.peak, (unsigned long long)fb);
+		cr_expect_leq(fm.peak, fb);
+		cr_expect_lt(fb, (uint64_t)n * 16384, "%llu bytes: more than 16 KiB a token",
+			     (unsigned long long)fb);
+	}
+#else
+	{
+		struct ro_seq *s;
+
+		cr_assert_eq(ro_seq_new(m, n, &s), 0);
+		cr_assert_eq(ro_model_forward(m, &(struct ro_fwd_item){s, p, n, whole, false}, 1),
+			     0);
+		ro_seq_free(s);
+	}
+#endif
+	{
+		struct ro_seq *s;
+
+		cr_assert_eq(ro_seq_new(m, n, &s), 0);
+		run_chunks(m, s, p, n, 1000, chunked);
+		ro_seq_free(s);
+	}
+	cr_expect_eq(memcmp(whole, chunked, V * sizeof(float)), 0);
+	free(whole);
+	free(chunked);
+	free(p);
 	ro_model_free(m);
 }
 

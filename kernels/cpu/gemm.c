@@ -38,6 +38,13 @@ void ro_kernels_force_scalar(bool scalar)
 	use_avx2 = scalar ? 0 : ro_cpu_has_avx2();
 }
 
+bool ro_kernels_avx2(void)
+{
+	if (use_avx2 < 0)
+		use_avx2 = ro_cpu_has_avx2();
+	return use_avx2;
+}
+
 const char *ro_kernels_name(void)
 {
 	if (use_avx2 < 0)
