@@ -1,10 +1,20 @@
-/* Private to rolloutd: the agent's state, shared by main.c (lifecycle, events, systemd,
- * metrics, control socket) and worker.c (claims, continuous batching, publish, checkpoint,
- * drain). */
+/* Private to rolloutd: the agent's state and who owns which part of it.
+ *
+ *   control plane (main thread, sd-event: loop.c, units.c, drain.c, control.c, metrics.c)
+ *     owns the claims, leases, every Redis operation, the drain, the socket, the metrics;
+ *   engine (its own thread: engine.c)
+ *     owns the model, the KV caches and logits, and runs bounded steps: prefill chunks and
+ *     decode tokens of every running sequence in one forward.
+ *
+ * They share the unit list and each sample's generated tokens under a->mu (held only for
+ * bookkeeping, never across a forward or a Redis call). The control plane frees a unit
+ * only after the engine has said it holds nothing of it (released). */
 #pragma once
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <systemd/sd-event.h>
 
 #include "agent/settings.h"
 #include "imds/imds.h"
@@ -18,74 +28,176 @@ struct unit_rt;
 struct sample_rt {
 	struct unit_rt *u;
 	uint32_t idx;
+	int64_t start_ms;
+	/* engine only */
 	struct ro_seq *kv;
+	float *logits;
+	uint32_t prefix_done; /* of a resumed prefix (tok[0..resumed_from)), tokens in kv */
+	bool ready;	      /* logits hold the distribution of token len */
+	/* shared, under a->mu: the engine appends, the control plane reads */
 	int32_t *tok;
 	float *lp;
-	uint32_t len, resumed_from, ckpt_len;
-	int64_t ckpt_at, start_ms;
-	float *logits;
+	uint32_t len, resumed_from;
 	bool finished; /* waiting to be published */
 	const char *finish;
+	/* control plane only */
+	uint32_t ckpt_len; /* tokens Redis holds as this sample's checkpoint */
+	int64_t ckpt_at;
+	bool in_publish; /* part of the publish in flight */
 };
 
+/* The control plane's view of a unit's life. */
+enum unit_cp {
+	CP_HELD,	/* ours: decoding, publishing, checkpointing */
+	CP_ENDING,	/* a final operation (complete, requeue, fail, dead-letter) in flight */
+	CP_GONE,	/* no longer ours; freed once the engine released it */
+};
+
+enum unit_end { END_NONE, END_COMPLETE, END_REQUEUE, END_FAIL, END_DEAD, END_RELEASE };
+
 struct unit_rt {
+	struct unit_rt *next;
 	struct ro_claim c;
 	struct ro_unit u;
 	uint64_t key;
 	struct sample_rt **s; /* the samples this worker still owes, n_s of them */
 	uint32_t n_s;
-	struct unit_rt *next;
+	/* engine only */
+	int phase; /* 0 new, 1 prompt prefill, 2 running */
+	struct ro_seq *base;
+	float *base_logits;
+	uint32_t prompt_done;
+	/* shared, under a->mu */
+	bool cancel;	  /* control plane: stop working on it */
+	bool released;	  /* engine: holds nothing of it any more */
+	char failed[256]; /* engine: why it cannot run it ("" while it can) */
+	/* control plane only */
+	enum unit_cp cp;
+	enum unit_end end;   /* the final operation wanted or in flight */
+	char end_why[300];   /* its reason (fail, dead-letter) */
+	int64_t lease_until; /* CLOCK_MONOTONIC ms until which the lease is known to hold */
+	bool pub_busy, ckpt_busy, end_busy, in_renew;
+	int64_t retry_at; /* transient failure: not before */
+	uint32_t backoff_ms;
+	uint32_t pub_errors;
 };
 
 struct ro_counters {
 	uint64_t claimed, completed, requeued, dead, released, published, tokens, drains,
-	    imds_errors, redis_errors, lease_losses, checkpoints;
+	    imds_errors, redis_errors, lease_losses, checkpoints, failed, resumed_held,
+	    checkpoints_discarded, stale_refused;
 };
+
+struct ro_control; /* control.c */
 
 struct ro_agent {
 	struct ro_config cfg;
 	char worker[160];
-	struct ro_queue *q;
+	struct ro_queue *q;  /* every operation */
+	struct ro_queue *qw; /* the idle wait on the wake-up marker (a blocking command) */
 	struct ro_model *m;
 	uint32_t vocab;
+
+	pthread_mutex_t mu;
+	pthread_cond_t cv; /* the engine waits on it for work */
 	struct unit_rt *units;
-	uint32_t n_units, n_active;
-	enum ro_state state;
-	bool stop_claiming, backpressure;
+	uint32_t n_units;
+	enum ro_state state; /* written by the control plane under mu */
 	int64_t deadline_wall_ms; /* drain deadline (ms since the epoch) */
 	int64_t hard_wall_ms;	  /* past it, exit even if Redis took nothing */
+	/* the engine's figures, under mu */
+	double step_ms, tokens_per_s;
+	double prefill_tokens_per_s;
+	int64_t engine_beat_ms; /* the end of its last step (monotonic) */
+	bool engine_working;
+	uint64_t steps, prefill_tokens;
+	bool engine_stop;
+	/* from the engine's EP round, for the control plane (under mu) */
+	bool group_drain;
+	int64_t group_deadline_ms;
+	uint32_t group_first;
+
+	/* control plane */
+	sd_event *ev;
+	int efd; /* eventfd: the engine wakes the loop */
+	sd_event_source *efd_src, *q_io, *q_timer, *qw_io, *qw_timer, *tick, *deadline_src;
+	pthread_t engine;
+	bool engine_started;
+	bool stop_claiming, backpressure;
+	bool claim_busy, wait_busy, renew_busy, hb_busy, backlog_busy, held_done, held_busy;
+	bool exiting;
+	int64_t next_claim_ms, defer_until_ms, next_renew_ms, next_backlog_ms, next_status_ms,
+	    next_metrics_ms, next_extend_ms, last_redis_ok_ms;
 	int64_t drain_start_ms;
 	double last_drain_s;
 	char drain_reason[96];
-	double step_ms;	     /* EWMA of one decode step */
-	double tokens_per_s; /* EWMA */
-	int64_t next_claim_ms, next_renew_ms, next_backlog_ms, defer_until_ms;
-	int64_t last_loop_ms;
 	int64_t lag;
+	int sigterms;
+	int rc;
 	struct ro_counters n;
-	int64_t log_limit[8];
-	/* expert parallelism: every forward is a collective of the group */
+	int64_t log_limit[12];
+	struct ro_control *ctl;
+	int imds_fd; /* the watcher's pipe, -1 without one */
+
+	/* expert parallelism: every forward is a collective of the group (engine thread) */
 	struct ro_ep *ep;
-	bool ep_failed;	 /* the group broke: requeue everything, exit non-zero */
-	bool group_busy; /* some rank ran a forward in the last round */
-	bool group_done; /* every rank drained and holds nothing */
+	bool ep_failed;	  /* the group broke: requeue everything, exit non-zero */
+	bool group_busy;  /* some rank ran a forward in the last round */
+	bool group_done;  /* every rank drained and holds nothing */
 	bool local_group; /* a rank forked by --ep-local-ranks */
 };
 
-/* worker.c */
+/* engine.c */
+int ro_engine_start(struct ro_agent *a);
+void ro_engine_stop(struct ro_agent *a);
+/* Wake the engine (new work, a cancel, a drain); callers hold a->mu. */
+void ro_engine_kick(struct ro_agent *a);
 /* The model forward: alone, or as this rank's part of the EP group's collective. */
 int ro_agent_forward(struct ro_agent *a, struct ro_fwd_item *items, size_t count);
-/* This rank's round of the group: join the forwards other ranks still make, tell them our
- * drain, take theirs (the earliest deadline wins). */
-void ro_agent_ep_round(struct ro_agent *a);
-int ro_worker_claim(struct ro_agent *a);
-int ro_worker_step(struct ro_agent *a);
-void ro_worker_housekeeping(struct ro_agent *a);
+/* Bytes a unit needs on this worker (its caches and the step's scratch). */
+uint64_t ro_engine_unit_bytes(const struct ro_agent *a, const struct ro_unit *u, uint32_t owed);
+
+/* units.c: the control plane's side of units */
+void ro_units_claim(struct ro_agent *a);
+void ro_units_held(struct ro_agent *a);
+void ro_units_service(struct ro_agent *a); /* publish, checkpoint, end, free */
+void ro_units_renew(struct ro_agent *a);
+void ro_units_check_leases(struct ro_agent *a);
+void ro_units_backlog(struct ro_agent *a);
+void ro_units_free_all(struct ro_agent *a);
+/* Units held and sequences in flight (callers hold a->mu). */
+uint32_t ro_units_active(const struct ro_agent *a);
+/* The most tokens any sequence would lose if killed now (callers hold a->mu). */
+uint32_t ro_units_unckpt(const struct ro_agent *a);
+/* End u with the given final operation (requeue with its checkpoints, fail, dead-letter);
+ * the engine stops working on it at once. Callers hold a->mu. */
+void ro_unit_end(struct ro_agent *a, struct unit_rt *u, enum unit_end end, const char *why);
+
+/* drain.c */
 /* Begin (or tighten) a drain; deadline in ms since the epoch. */
 void ro_drain_begin(struct ro_agent *a, int64_t deadline_wall_ms, const char *reason);
 /* STOPPING=1 and EXTEND_TIMEOUT_USEC up to the hard deadline, to systemd. */
 void ro_drain_notify(const struct ro_agent *a);
-/* Requeue what cannot finish by the deadline (all of it once it passed). */
+/* Requeue what cannot finish by the deadline (all of it once it passed); DRAINED when
+ * nothing is left. */
 void ro_drain_triage(struct ro_agent *a);
-void ro_worker_free_all(struct ro_agent *a);
 const char *ro_state_name(enum ro_state s);
+
+/* control.c: the control socket (a line in, a JSON line out, many clients) */
+int ro_control_open(struct ro_agent *a, const char *path);
+void ro_control_close(struct ro_agent *a);
+/* The status object (control socket, tests). */
+void ro_status_json(struct ro_agent *a, char *buf, size_t len);
+
+/* metrics.c */
+void ro_metrics_write(struct ro_agent *a);
+void ro_notify_status(struct ro_agent *a);
+void ro_heartbeat(struct ro_agent *a);
+
+/* loop.c */
+int ro_loop_run(struct ro_agent *a);
+/* (Re)arm the drain's deadline and hard deadline timers. */
+void ro_loop_arm_deadlines(struct ro_agent *a);
+/* Re-arm the queues' I/O sources after operations were submitted. */
+void ro_loop_queue_changed(struct ro_agent *a);
+int64_t ro_mono_ms(void);

@@ -13,6 +13,7 @@ struct ro_config {
 	char *config_file;
 	char *redis, *queue, *prefix, *worker_id, *model;
 	uint32_t max_inflight, claim_batch, lease_ms, checkpoint_tokens, checkpoint_ms;
+	uint32_t prefill_chunk, max_attempts, redis_timeout_ms;
 	char *imds_endpoint;
 	bool imds, imds_v1_fallback;
 	uint32_t imds_poll_ms, imds_slow_poll_ms, drain_margin_ms, notice_s, sigterm_grace_s;

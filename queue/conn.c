@@ -47,7 +47,7 @@ struct ro_conn {
 	bool need_load;
 	int last_err;
 	char err[256];
-	uint64_t connects, rng;
+	uint64_t connects, rng, sockets;
 	size_t n_user;
 };
 
@@ -326,6 +326,7 @@ static void start_connect(struct ro_conn *c)
 	int r;
 
 	c->connect_at = mono_ms();
+	c->sockets++;
 	if (c->path) {
 		struct sockaddr_un sa = {.sun_family = AF_UNIX};
 
@@ -670,4 +671,9 @@ bool ro_conn_ready(const struct ro_conn *c)
 const char *ro_conn_errmsg(const struct ro_conn *c)
 {
 	return c->err;
+}
+
+uint64_t ro_conn_sockets(const struct ro_conn *c)
+{
+	return c->sockets;
 }

@@ -57,5 +57,8 @@ size_t ro_conn_pending(const struct ro_conn *c);
 /* Times a connection was established (handshake done). */
 uint64_t ro_conn_connects(const struct ro_conn *c);
 bool ro_conn_ready(const struct ro_conn *c);
+/* Sockets created so far: a new number means ro_conn_fd() is a new socket (even when the
+ * descriptor's number is the same), which an epoll user must register again. */
+uint64_t ro_conn_sockets(const struct ro_conn *c);
 /* The last connection failure's message ("" when none). */
 const char *ro_conn_errmsg(const struct ro_conn *c);

@@ -566,6 +566,11 @@ size_t ro_queue_pending(const struct ro_queue *q)
 	return ro_conn_pending(q->conn);
 }
 
+uint64_t ro_queue_socket_gen(const struct ro_queue *q)
+{
+	return ro_conn_sockets(q->conn);
+}
+
 bool ro_queue_connected(const struct ro_queue *q)
 {
 	return ro_conn_ready(q->conn);

@@ -245,6 +245,8 @@ int ro_queue_fd(const struct ro_queue *q);
 short ro_queue_events(const struct ro_queue *q);
 int64_t ro_queue_next_ms(const struct ro_queue *q);
 void ro_queue_process(struct ro_queue *q, short revents);
+/* Changes whenever ro_queue_fd() is a new socket (the number may be reused). */
+uint64_t ro_queue_socket_gen(const struct ro_queue *q);
 /* Operations not yet answered, and whether the connection is up now. */
 size_t ro_queue_pending(const struct ro_queue *q);
 bool ro_queue_connected(const struct ro_queue *q);

@@ -1,0 +1,153 @@
+/* What rolloutd tells the world about itself: the Prometheus textfile (rewritten atomically
+ * every metrics interval for node_exporter's textfile collector), systemd's STATUS= line,
+ * and the worker heartbeat hash in Redis (sent asynchronously; a Redis outage only delays
+ * it). */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include "agent/agent.h"
+#include "agent/log.h"
+
+void ro_metrics_write(struct ro_agent *a)
+{
+	const char *path = a->cfg.metrics_file;
+	char tmp[4200];
+	uint32_t active, held = 0;
+	double tps;
+	uint64_t tokens;
+	FILE *f;
+
+	if (!path || !*path)
+		return;
+	pthread_mutex_lock(&a->mu);
+	active = ro_units_active(a);
+	for (const struct unit_rt *u = a->units; u; u = u->next)
+		held += u->cp != CP_GONE;
+	tps = a->tokens_per_s;
+	tokens = a->n.tokens;
+	pthread_mutex_unlock(&a->mu);
+	(void)snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
+	f = fopen(tmp, "w");
+	if (!f)
+		return;
+#define M(type, name, help, fmt, v)                                                               \
+	(void)fprintf(f, "# HELP rolloutd_" name " " help "\n# TYPE rolloutd_" name " " type      \
+			 "\nrolloutd_" name "{worker=\"%s\"} " fmt "\n",                          \
+		      a->worker, v)
+#define C(name, help, v) M("counter", name, help, "%llu", (unsigned long long)(v))
+#define G(name, help, fmt, v) M("gauge", name, help, fmt, v)
+	C("units_claimed_total", "Units claimed (and, at start, still held).", a->n.claimed);
+	C("units_completed_total", "Units completed by this worker.", a->n.completed);
+	C("units_requeued_total", "Units requeued (drain).", a->n.requeued);
+	C("units_dead_lettered_total", "Units dead-lettered by this worker.", a->n.dead);
+	C("units_released_total", "Units released (policy too old here).", a->n.released);
+	C("units_failed_total", "Units this worker could not run (an attempt charged).", a->n.failed);
+	C("samples_published_total", "Samples published.", a->n.published);
+	C("tokens_generated_total", "Tokens generated.", tokens);
+	C("checkpoints_total", "Sample checkpoints written.", a->n.checkpoints);
+	C("checkpoints_discarded_total", "Checkpoints found unusable (the sample restarts).",
+	  a->n.checkpoints_discarded);
+	C("drains_total", "Drains begun.", a->n.drains);
+	C("imds_errors_total", "Times IMDS became unreachable.", a->n.imds_errors);
+	C("redis_errors_total", "Redis operations that failed.", a->n.redis_errors);
+	C("lease_losses_total", "Units whose lease was lost (refused, or not confirmed in time).",
+	  a->n.lease_losses);
+	C("stale_writes_refused_total", "Writes Redis refused because the lease was not ours.",
+	  a->n.stale_refused);
+	G("decode_tokens_per_second", "Decode rate (EWMA).", "%.3f", tps);
+	G("inflight_sequences", "Sequences being decoded.", "%u", active);
+	G("inflight_units", "Units held.", "%u", held);
+	G("backpressure", "1 while the trainer's lag stops claims.", "%d", a->backpressure ? 1 : 0);
+	G("trainer_lag", "Trainer lag on the samples stream.", "%lld", (long long)a->lag);
+	G("redis_up", "1 while the Redis connection is established.", "%d",
+	  ro_queue_connected(a->q) ? 1 : 0);
+	G("last_drain_duration_seconds", "Duration of the last drain.", "%.3f", a->last_drain_s);
+	if (a->ep) {
+		struct ro_ep_stats st;
+
+		ro_ep_stats(a->ep, &st);
+		C("ep_exchanges_total", "Expert-parallel exchanges (MoE layer passes).",
+		  st.exchanges);
+		C("ep_dispatch_bytes_total", "Payload bytes dispatched.", st.dispatch_bytes);
+		C("ep_combine_bytes_total", "Payload bytes combined back.", st.combine_bytes);
+		M("counter", "ep_dispatch_seconds_total", "Time in dispatch.", "%.3f",
+		  st.dispatch_ms / 1e3);
+		M("counter", "ep_combine_seconds_total", "Time in combine.", "%.3f",
+		  st.combine_ms / 1e3);
+		M("counter", "ep_group_step_seconds_total", "Time in the group's step all-gathers.",
+		  "%.3f", st.sync_ms / 1e3);
+		G("ep_failed", "1 once the group failed.", "%d", a->ep_failed ? 1 : 0);
+	}
+	(void)fprintf(f, "# HELP rolloutd_state Current state.\n# TYPE rolloutd_state gauge\n");
+	for (int s = RO_RUNNING; s <= RO_DRAINED; s++)
+		(void)fprintf(f, "rolloutd_state{worker=\"%s\",state=\"%s\"} %d\n", a->worker,
+			      ro_state_name((enum ro_state)s), a->state == (enum ro_state)s);
+#undef C
+#undef G
+#undef M
+	if (fclose(f) == 0)
+		(void)rename(tmp, path); /* atomic: the collector never reads half a file */
+	else
+		(void)unlink(tmp);
+}
+
+void ro_notify_status(struct ro_agent *a)
+{
+	char s[512];
+	uint32_t held = 0, active;
+	double tps;
+
+	pthread_mutex_lock(&a->mu);
+	for (const struct unit_rt *u = a->units; u; u = u->next)
+		held += u->cp != CP_GONE;
+	active = ro_units_active(a);
+	tps = a->tokens_per_s;
+	pthread_mutex_unlock(&a->mu);
+	if (a->state == RO_RUNNING)
+		(void)snprintf(s, sizeof(s), "STATUS=running: %u units, %u sequences, %.0f tok/s%s%s%s",
+			       held, active, tps,
+			       a->backpressure ? ", backpressure (trainer behind)" : "",
+			       a->stop_claiming ? ", not claiming (rebalance)" : "",
+			       ro_queue_connected(a->q) ? "" : ", redis unreachable");
+	else
+		(void)snprintf(s, sizeof(s), "STATUS=%s (%s): %u units, deadline in %.1f s",
+			       ro_state_name(a->state), a->drain_reason, held,
+			       (double)(a->deadline_wall_ms - ro_wall_ms()) / 1000.0);
+	(void)sd_notify(0, s);
+}
+
+static void on_heartbeat(void *arg, struct ro_queue_result *res)
+{
+	struct ro_agent *a = arg;
+
+	a->hb_busy = false;
+	if (res->r < 0 && res->r != -ECANCELED)
+		a->n.redis_errors++;
+	else if (!res->r)
+		a->last_redis_ok_ms = ro_now_ms();
+}
+
+void ro_heartbeat(struct ro_agent *a)
+{
+	char units[16], act[16], tps[32], comp[24];
+	const char *kv[] = {"state", ro_state_name(a->state), "units", units, "in_flight", act,
+			    "tokens_per_s", tps, "completed", comp};
+	struct ro_queue_cb cb = {on_heartbeat, a, a->cfg.status_interval_ms};
+	uint32_t held = 0;
+
+	if (a->hb_busy)
+		return;
+	pthread_mutex_lock(&a->mu);
+	for (const struct unit_rt *u = a->units; u; u = u->next)
+		held += u->cp != CP_GONE;
+	(void)snprintf(units, sizeof(units), "%u", held);
+	(void)snprintf(act, sizeof(act), "%u", ro_units_active(a));
+	(void)snprintf(tps, sizeof(tps), "%.1f", a->tokens_per_s);
+	pthread_mutex_unlock(&a->mu);
+	(void)snprintf(comp, sizeof(comp), "%llu", (unsigned long long)a->n.completed);
+	if (!ro_queue_heartbeat_async(a->q, kv, 10, &cb))
+		a->hb_busy = true;
+}
