@@ -40,7 +40,8 @@ struct sample_rt {
 	uint32_t len, resumed_from;
 	bool finished; /* waiting to be published */
 	const char *finish;
-	/* control plane only */
+	/* control plane, under a->mu (the engine reads ckpt_len: it runs at most
+	 * checkpoint-tokens past the last confirmed checkpoint) */
 	uint32_t ckpt_len; /* tokens Redis holds as this sample's checkpoint */
 	int64_t ckpt_at;
 	bool in_publish; /* part of the publish in flight */

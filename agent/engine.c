@@ -230,7 +230,10 @@ static void plan(struct ro_agent *a, struct step *st)
 				if (j->n > budget)
 					j->n = budget;
 				budget -= j->n;
-			} else if (s->ready) {
+			} else if (s->ready &&
+				   s->len - s->ckpt_len < a->cfg.checkpoint_tokens) {
+				/* a sample at checkpoint-tokens past its confirmed checkpoint
+				 * waits for it: a kill never loses more than that */
 				j = job_add(st);
 				if (!j)
 					return;
@@ -434,6 +437,18 @@ static void *engine_main(void *arg)
 		if (a->engine_stop) {
 			pthread_mutex_unlock(&a->mu);
 			break;
+		}
+		if (a->ep && (a->group_done || a->ep_failed)) {
+			/* every rank saw "all done" in the same round and stops there: one more
+			 * round would wait for ranks that have left */
+			struct timespec ts;
+
+			(void)clock_gettime(CLOCK_REALTIME, &ts);
+			ts.tv_sec += 1;
+			(void)pthread_cond_timedwait(&a->cv, &a->mu, &ts);
+			pthread_mutex_unlock(&a->mu);
+			wake_loop(a);
+			continue;
 		}
 		st.n_jobs = 0;
 		plan(a, &st);

@@ -237,8 +237,12 @@ static sd_event_source *deadline_src, *hard_src;
 
 void ro_loop_arm_deadlines(struct ro_agent *a)
 {
+	/* the exit itself (joining the engine's step, closing) must fit before the hard
+	 * deadline: keep a quarter second of the margin for it */
+	int64_t reserve = a->cfg.drain_margin_ms / 2 < 250 ? a->cfg.drain_margin_ms / 2 : 250;
 	uint64_t d = a->deadline_wall_ms > 0 ? (uint64_t)a->deadline_wall_ms * 1000 : 1;
-	uint64_t h = a->hard_wall_ms > 0 ? (uint64_t)a->hard_wall_ms * 1000 : 1;
+	uint64_t h = a->hard_wall_ms - reserve > 0 ? (uint64_t)(a->hard_wall_ms - reserve) * 1000
+						   : 1;
 
 	if (!a->ev)
 		return;

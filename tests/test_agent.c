@@ -84,6 +84,15 @@ struct agent {
 	char name[32], sock[160], log[160], metrics[160];
 };
 
+/* The Redis the agents use: the binary's shared one, or a test's private one (a test that
+ * stops or kills its server must not touch the one other tests share). */
+static const char *agent_redis;
+
+static const char *redis_url(void)
+{
+	return agent_redis ? agent_redis : ro_test_redis_url();
+}
+
 /* Start rolloutd as worker `name` on queue q; extra flags after. */
 static void start(struct agent *ag, const char *name, const char *q, const char *const *extra,
 		  const char *const *env)
@@ -99,7 +108,7 @@ static void start(struct agent *ag, const char *name, const char *q, const char 
 	(void)snprintf(ag->metrics, sizeof(ag->metrics), "%s/%s.prom", dir, name);
 	av[n++] = bin("RO_ROLLOUTD", "rolloutd");
 	av[n++] = "--redis";
-	av[n++] = ro_test_redis_url();
+	av[n++] = redis_url();
 	av[n++] = "--queue";
 	av[n++] = q;
 	av[n++] = "--model";
@@ -197,7 +206,7 @@ static double field(const char *json, const char *key)
 static void enqueue(const char *q, const char *prefix, int count, unsigned n, unsigned max_new,
 		    unsigned long_every, unsigned long_max)
 {
-	struct ro_queue *qq = ro_test_queue(ro_test_redis_url(), q, "enq", 3);
+	struct ro_queue *qq = ro_test_queue(redis_url(), q, "enq", 3);
 
 	for (int i = 0; i < count; i++) {
 		char js[512], why[256];
@@ -938,5 +947,355 @@ Test(agent, ep_rank_killed_fails_fast, .timeout = 240)
 	kill(b.pid, SIGTERM);
 	cr_expect_eq(wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 9, 2);
+	redisFree(c);
+}
+
+/* ---- the control plane never blocks ------------------------------------------------------ */
+
+/* Enqueue one unit given as JSON (bounds as large as the daemon's). */
+static void enqueue_json(const char *q, const char *js)
+{
+	struct ro_queue *qq = ro_test_queue(redis_url(), q, "enq", 3);
+	struct ro_unit u = {0};
+	char why[256];
+	int st;
+
+	cr_assert_eq(ro_unit_parse(js, strlen(js),
+				   &(struct ro_unit_bounds){1 << 24, 64, 1 << 24, 1 << 30}, &u, why,
+				   sizeof(why)),
+		     0, "%s", why);
+	cr_assert_eq(ro_queue_enqueue(qq, &u, 1, &st), 0);
+	ro_unit_clear(&u);
+	ro_queue_free(qq);
+}
+
+/* {"id":id,"prompt":[len tokens],"n":n,"max_new_tokens":max_new}, malloc'd */
+static char *unit_json(const char *id, unsigned len, unsigned n, unsigned max_new, unsigned seed)
+{
+	size_t cap = (size_t)len * 6 + 256, off;
+	char *js = malloc(cap);
+
+	off = (size_t)snprintf(js, cap, "{\"id\":\"%s\",\"prompt\":[", id);
+	for (unsigned i = 0; i < len; i++)
+		off += (size_t)snprintf(js + off, cap - off, "%s%u", i ? "," : "",
+					(i * 37 + seed) % 1000 + 1);
+	(void)snprintf(js + off, cap - off,
+		       "],\"n\":%u,\"max_new_tokens\":%u,\"sampling\":{\"temperature\":1.0,"
+		       "\"seed\":%u}}",
+		       n, max_new, seed);
+	return js;
+}
+
+static long dead_count(redisContext *c, const char *q)
+{
+	return ro_test_int(c, "LLEN ro:{%s}:dead", q);
+}
+
+static bool wait_dead(redisContext *c, const char *q, long want, long ms)
+{
+	for (long t = 0; t < ms; t += 50) {
+		if (dead_count(c, q) >= want)
+			return true;
+		ro_test_msleep(50);
+	}
+	return false;
+}
+
+static char *hget(redisContext *c, const char *q, const char *id, const char *field)
+{
+	redisReply *rep = redisCommand(c, "HGET ro:{%s}:unit:%s %s", q, id, field);
+	char *s = rep && rep->type == REDIS_REPLY_STRING ? strdup(rep->str) : strdup("");
+
+	freeReplyObject(rep);
+	return s;
+}
+
+/* Four 3000-token prompts claimed at once under 2 s leases: before, every claimed unit was
+ * prefilled before the first renewal and all were lost; now the leases are renewed while
+ * the engine prefills in chunks. */
+Test(agent, long_prefills_keep_their_leases, .timeout = 240)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	const unsigned len = scaled(3000);
+	char q[64];
+	struct agent a;
+
+	ro_test_name("prefill", q, sizeof(q));
+	for (int i = 0; i < 4; i++) {
+		char id[16], *js;
+
+		(void)snprintf(id, sizeof(id), "u-%d", i);
+		js = unit_json(id, len, 2, 8, (unsigned)i);
+		enqueue_json(q, js);
+		free(js);
+	}
+	start(&a, "a", q,
+	      (const char *const[]){"--imds", "false", "--lease-ms", "2000", "--claim-batch", "4",
+				    "--prefill-chunk", "256", NULL},
+	      NULL);
+	if (!wait_done(c, q, 4, 180000))
+		dump_log(&a);
+	cr_assert_eq(done_count(c, q), 4, "every unit completes");
+	cr_expect_eq(dead_count(c, q), 0, "none dead-lettered");
+	cr_expect_eq(field(status(&a, "status\n"), "lease_losses"), 0, "%s", status(&a, "status\n"));
+	(void)ro_test_verify_exactly_once(c, q, 4, 2);
+	kill(a.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 30000), 0);
+	redisFree(c);
+}
+
+/* SIGTERM with a 4 s grace and a 2 s margin while Redis is stopped (or refusing
+ * connections): the agent exits within the 6 s, its units are reaped with their
+ * checkpoints, and every unit still completes exactly once. */
+static void drain_without_redis(bool kill_it)
+{
+	struct ro_test_redis r;
+	redisContext *c;
+	char q[64];
+	struct agent a, b;
+	int64_t t0, took;
+
+	cr_assert_eq(ro_test_redis_start(&r, true), 0); /* AOF: a killed server comes back whole */
+	agent_redis = r.url;
+	c = ro_test_redis_connect(r.url);
+	ro_test_name("noredis", q, sizeof(q));
+	enqueue(q, "u", 6, 2, scaled(400), 0, 0);
+	start(&a, "a", q,
+	      (const char *const[]){"--imds", "false", "--sigterm-grace-s", "4",
+				    "--drain-margin-ms", "2000", "--lease-ms", "10000",
+				    "--checkpoint-tokens", "8", NULL},
+	      NULL);
+	for (int i = 0; i < 400 && field(status(&a, "status\n"), "in_flight") < 1; i++)
+		ro_test_msleep(25);
+	cr_assert_geq(field(status(&a, "status\n"), "in_flight"), 1, "working");
+	if (kill_it)
+		ro_test_redis_kill(&r);
+	else
+		(void)kill(r.pid, SIGSTOP);
+	t0 = ro_test_mono_ms();
+	(void)kill(a.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 30000), 0);
+	took = ro_test_mono_ms() - t0;
+	/* the promise is 6 s; the second more is for the process's own exit on a busy box */
+	cr_expect_leq(took, 7000, "exited %lld ms after SIGTERM (due within 6000)",
+		      (long long)took);
+	if (!log_has(&a, "hard deadline passed")) {
+		dump_log(&a);
+		cr_expect_fail("says what it left behind");
+	}
+	if (kill_it)
+		cr_assert_eq(ro_test_redis_restart(&r), 0);
+	else
+		(void)kill(r.pid, SIGCONT);
+	redisFree(c);
+	c = ro_test_redis_connect(r.url);
+	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	if (!wait_done(c, q, 6, 120000))
+		dump_log(&b);
+	cr_assert_eq(done_count(c, q), 6);
+	(void)ro_test_verify_exactly_once(c, q, 6, 2);
+	kill(b.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&b, 30000), 0);
+	redisFree(c);
+	ro_test_redis_stop(&r);
+	agent_redis = NULL;
+}
+
+Test(agent, drain_on_time_with_redis_stopped, .timeout = 240)
+{
+	drain_without_redis(false);
+}
+
+Test(agent, drain_on_time_with_redis_refusing, .timeout = 240)
+{
+	drain_without_redis(true);
+}
+
+static int connect_to(const char *path)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+
+	strcpy(sa.sun_path, path);
+	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+/* 64 idle connections held on the control socket: the agent still publishes and answers;
+ * a command in two writes works; only exact command words count. */
+Test(agent, control_socket_flood_and_exact_commands, .timeout = 180)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64], buf[2048];
+	struct agent a;
+	int idle[64], fd;
+	double before;
+	ssize_t n;
+
+	ro_test_name("flood", q, sizeof(q));
+	enqueue(q, "u", 40, 4, scaled(64), 0, 0);
+	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	for (int i = 0; i < 400 && field(status(&a, "status\n"), "in_flight") < 1; i++)
+		ro_test_msleep(25);
+	for (int i = 0; i < 64; i++) {
+		idle[i] = connect_to(a.sock);
+		cr_assert_geq(idle[i], 0);
+	}
+	before = field(status(&a, "status\n"), "published");
+	cr_assert_geq(before, 0, "answers beside 64 idle clients");
+	for (int i = 0; i < 600 && field(status(&a, "status\n"), "published") < before + 10; i++)
+		ro_test_msleep(25);
+	cr_expect_geq(field(status(&a, "status\n"), "published"), before + 10,
+		      "still publishing beside 64 idle clients");
+	/* one command in two writes */
+	fd = connect_to(a.sock);
+	cr_assert_eq(write(fd, "sta", 3), 3);
+	ro_test_msleep(50);
+	cr_assert_eq(write(fd, "tus\n", 4), 4);
+	n = read(fd, buf, sizeof(buf) - 1);
+	cr_assert_gt(n, 0);
+	buf[n] = '\0';
+	cr_expect(strstr(buf, "\"state\":\"running\""), "%s", buf);
+	close(fd);
+	/* a line that merely begins with "drain" is not a drain */
+	cr_expect(strstr(status(&a, "drainage please\n"), "unknown command"));
+	cr_expect(strstr(status(&a, "drain now\n"), "error"));
+	cr_expect(strstr(status(&a, "status\n"), "\"state\":\"running\""), "not draining");
+	for (int i = 0; i < 64; i++)
+		close(idle[i]);
+	kill(a.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 30000), 0);
+	redisFree(c);
+}
+
+/* SIGKILL, then the same worker id again: what the old process held is resumed at once
+ * (no attempt charged, no wait for the 2-minute leases). */
+Test(agent, restart_with_same_worker_id_resumes_held_units, .timeout = 240)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64];
+	struct agent a;
+
+	ro_test_name("held", q, sizeof(q));
+	enqueue(q, "u", 4, 2, scaled(300), 0, 0);
+	start(&a, "w", q,
+	      (const char *const[]){"--imds", "false", "--lease-ms", "120000", "--claim-batch",
+				    "4", "--checkpoint-tokens", "8", NULL},
+	      NULL);
+	for (int i = 0; i < 800 && ro_test_int(c, "ZCARD ro:{%s}:leases", q) < 4; i++)
+		ro_test_msleep(25);
+	cr_assert_eq(ro_test_int(c, "ZCARD ro:{%s}:leases", q), 4, "holds all four");
+	kill(a.pid, SIGKILL);
+	(void)wait_exit(&a, 10000);
+	start(&a, "w", q, (const char *const[]){"--imds", "false", "--lease-ms", "120000", NULL},
+	      NULL);
+	if (!wait_done(c, q, 4, 90000))
+		dump_log(&a);
+	cr_assert_eq(done_count(c, q), 4, "done well before the old leases expire");
+	cr_expect(log_has(&a, "still holds 4 units"), "resumed what it held");
+	for (int i = 0; i < 4; i++) {
+		char id[16], *att;
+
+		(void)snprintf(id, sizeof(id), "u-%d", i);
+		att = hget(c, q, id, "attempt");
+		cr_expect_str_eq(att, "1", "unit %s charged an attempt", id);
+		free(att);
+	}
+	(void)ro_test_verify_exactly_once(c, q, 4, 2);
+	kill(a.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 30000), 0);
+	redisFree(c);
+}
+
+/* Checkpoints holding tokens outside the vocabulary (or negative): before, each claim
+ * failed and released the unit, ~20,000 times a minute; now the sample starts over and
+ * comes out bitwise as an uninterrupted run's. */
+Test(agent, bad_checkpoints_restart_their_samples, .timeout = 180)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64], ref[64];
+	int32_t big[2] = {5, 99999}, neg[1] = {-3};
+	float lp2[2] = {-0.5f, -0.25f}, lp1[1] = {-1.0f};
+	struct ro_progress p0 = {0, 2, big, lp2, 2, 0}, p1 = {1, 1, neg, lp1, 1, 0};
+	char *e0 = ro_progress_encode(&p0), *e1 = ro_progress_encode(&p1);
+	struct agent a;
+
+	ro_test_name("badckpt", q, sizeof(q));
+	ro_test_name("badref", ref, sizeof(ref));
+	reference_run(c, ref, 1, 2, scaled(24), 0, 0);
+	enqueue(q, "u", 1, 2, scaled(24), 0, 0);
+	freeReplyObject(redisCommand(c, "HSET ro:{%s}:unit:u-0 p:0 %s p:1 %s ckpt 1", q, e0, e1));
+	free(e0);
+	free(e1);
+	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	if (!wait_done(c, q, 1, 60000))
+		dump_log(&a);
+	cr_assert_eq(done_count(c, q), 1);
+	cr_expect_eq(same_samples(c, q, ref, 2), 0, "started over, not resumed");
+	cr_expect(log_has(&a, "checkpoint discarded"));
+	cr_expect_eq(field(status(&a, "status\n"), "claimed"), 1, "claimed once, no loop");
+	kill(a.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 30000), 0);
+	redisFree(c);
+}
+
+/* A unit no worker can hold in memory: before, released without charge and claimed again
+ * forever; now each claim charges an attempt and the last dead-letters it with the reason. */
+Test(agent, unit_too_big_for_memory_is_dead_lettered, .timeout = 120)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64], *js, *why;
+	struct agent a;
+
+	ro_test_name("toobig", q, sizeof(q));
+	js = unit_json("big", 16000, 64, 1 << 24, 1);
+	enqueue_json(q, js);
+	free(js);
+	start(&a, "a", q,
+	      (const char *const[]){"--imds", "false", "--max-attempts", "2", "--max-prompt",
+				    "16000", "--max-new-tokens", "16777216", NULL},
+	      NULL);
+	if (!wait_dead(c, q, 1, 60000))
+		dump_log(&a);
+	cr_assert_eq(dead_count(c, q), 1);
+	why = hget(c, q, "big", "reason");
+	cr_expect(strstr(why, "MiB available") && strstr(why, "attempt 2 of 2"), "%s", why);
+	free(why);
+	cr_expect_eq(field(status(&a, "status\n"), "claimed"), 2, "two attempts, no loop");
+	kill(a.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 30000), 0);
+	redisFree(c);
+}
+
+/* A unit record that disagrees with its body (n differs; a stray sample field that makes
+ * the completion INCOMPLETE): before, retried forever or taken for success; now
+ * dead-lettered at once with the reason. */
+Test(agent, inconsistent_unit_records_are_dead_lettered, .timeout = 120)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	char q[64], *why;
+	struct agent a;
+
+	ro_test_name("badrec", q, sizeof(q));
+	enqueue(q, "u", 2, 2, scaled(16), 0, 0);
+	freeReplyObject(redisCommand(c, "HSET ro:{%s}:unit:u-0 n 3", q));
+	freeReplyObject(redisCommand(c, "HSET ro:{%s}:unit:u-1 s:0 0-1", q));
+	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	if (!wait_dead(c, q, 2, 60000))
+		dump_log(&a);
+	cr_assert_eq(dead_count(c, q), 2);
+	why = hget(c, q, "u-0", "reason");
+	cr_expect(strstr(why, "says n=3"), "%s", why);
+	free(why);
+	why = hget(c, q, "u-1", "reason");
+	cr_expect(strstr(why, "INCOMPLETE"), "%s", why);
+	free(why);
+	cr_expect_eq(done_count(c, q), 0, "nothing taken for a success");
+	cr_expect_eq(field(status(&a, "status\n"), "claimed"), 2, "each claimed once");
+	kill(a.pid, SIGTERM);
+	cr_expect_eq(wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
