@@ -7,7 +7,10 @@
  * Then decode under a chunked prefill: B running sequences decode while a long prompt is
  * prefilled in chunks of C tokens, one chunk per step in the same forward as the decode
  * tokens (as vLLM and SGLang schedule it), beside the same decode alone and beside the
- * whole prompt prefilled in one step (the stall chunking avoids).
+ * whole prompt prefilled in one step (the stall chunking avoids). The prompt is 2000 tokens
+ * by default so that the whole run stays within minutes on 2 cores; --long-prompt 8000 is
+ * the production-sized case (its one-step prefill alone takes minutes there: attention
+ * over ~8e9 query-key pairs).
  *
  *   decode_bench [--model DIR] [--steps N] [--threads N] [--batches 1,8,32,128]
  *                [--only decode|chunked] [--prefill-chunk C] [--long-prompt N]
@@ -286,7 +289,7 @@ static void print_row(uint32_t B, const char *what, double p50, double p99, doub
 
 	if (steps_to_done)
 		(void)snprintf(done, sizeof(done), "%10.2f", steps_to_done * p50);
-	(void)printf("%5u  %-24s %10.2f %10.2f %9.2f %9.2f  %10s\n", B, what, p50 * 1e3, p99 * 1e3,
+	(void)printf("%5u  %-24s %11.2f %11.2f %9.2f %9.2f  %10s\n", B, what, p50 * 1e3, p99 * 1e3,
 		     p50 / a50, p99 / a99, done);
 	fflush(stdout);
 }
@@ -306,7 +309,7 @@ static int chunked_section(struct ro_model *m, const struct chunked *o)
 		     "batch, one chunk per step;\n%u steps per row (chunks at offsets spread over "
 		     "the prompt, the rest of its cache in place)\n\n",
 		     N, S);
-	(void)printf("%5s  %-24s %10s %10s %9s %9s  %10s\n", "batch", "beside the decode", "p50 ms",
+	(void)printf("%5s  %-24s %11s %11s %9s %9s  %10s\n", "batch", "beside the decode", "p50 ms",
 		     "p99 ms", "x p50", "x p99", "prompt s");
 	for (uint32_t bi = 0; bi < o->nb && !r; bi++) {
 		struct decoders d = {.B = o->batches[bi], .V = V};
@@ -416,7 +419,7 @@ int main(int argc, char **argv)
 	const char *dir = "/tmp/rolloutd-decode-bench-model";
 	uint32_t steps = 8, threads = 0, batches[16] = {1, 8, 32, 128}, nb = 4, plen = 32;
 	uint32_t prefill_len = 512;
-	struct chunked ck = {.batches = {8, 32}, .nb = 2, .chunk = 256, .prompt = 8000, .steps = 4};
+	struct chunked ck = {.batches = {8, 32}, .nb = 2, .chunk = 256, .prompt = 2000, .steps = 4};
 	bool run_decode = true, run_chunked = true;
 	struct ro_model_opts mo = {0};
 	struct ro_model *m;
