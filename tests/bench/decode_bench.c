@@ -4,9 +4,20 @@
  * same run: the larger of (bytes of weights and KV touched per step / the machine's measured
  * copy bandwidth) and (FLOPs per step / the machine's measured FMA throughput).
  *
- *   decode_bench [--model DIR] [--steps N] [--threads N] [--batches 1,8,32,128] */
+ * Then decode under a chunked prefill: B running sequences decode while a long prompt is
+ * prefilled in chunks of C tokens, one chunk per step in the same forward as the decode
+ * tokens (as vLLM and SGLang schedule it), beside the same decode alone and beside the
+ * whole prompt prefilled in one step (the stall chunking avoids). The prompt is 2000 tokens
+ * by default so that the whole run stays within minutes on 2 cores; --long-prompt 8000 is
+ * the production-sized case (its one-step prefill alone takes minutes there: attention
+ * over ~8e9 query-key pairs).
+ *
+ *   decode_bench [--model DIR] [--steps N] [--threads N] [--batches 1,8,32,128]
+ *                [--only decode|chunked] [--prefill-chunk C] [--long-prompt N]
+ *                [--chunk-batches 8,32] [--chunk-steps S] */
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -214,6 +225,182 @@ static int ensure_model(const char *dir)
 	return 0;
 }
 
+/* ---- decode under a chunked prefill ------------------------------------------------------ */
+
+struct chunked {
+	uint32_t batches[16], nb;
+	uint32_t chunk;	 /* rows for chunk / 2, chunk, chunk * 2 */
+	uint32_t prompt; /* the long prompt's tokens */
+	uint32_t steps;	 /* decode steps measured per row */
+};
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+/* The q-quantile of v[n] (nearest rank); sorts v. */
+static double quantile(double *v, uint32_t n, double q)
+{
+	uint32_t i = (uint32_t)ceil(q * n);
+
+	qsort(v, n, sizeof(*v), cmp_double);
+	return v[i ? i - 1 : 0];
+}
+
+struct decoders {
+	uint32_t B, V, step;
+	struct ro_seq **seq;
+	struct ro_fwd_item *it; /* B decode items, then room for one prefill item */
+	int32_t *tok;
+	float *logits;
+};
+
+/* One step: every decoder's next token, with extra (a prefill chunk) in the same batch when
+ * given; returns the forward's seconds, or a negative number on failure. */
+static double decode_step(struct ro_model *m, struct decoders *d, const struct ro_fwd_item *extra)
+{
+	const struct ro_sampling sp = {.temperature = 1.0, .top_p = 1.0, .seed = 1};
+	size_t n = 0;
+	double t0;
+
+	for (uint32_t i = 0; i < d->B; i++) {
+		d->tok[i] = ro_sample(d->logits + (size_t)i * d->V, d->V, &sp, i, 0, d->step, NULL);
+		d->it[n++] = (struct ro_fwd_item){d->seq[i], &d->tok[i], 1,
+						  d->logits + (size_t)i * d->V, false};
+		/* the prefill in the middle of the batch: its place does not matter to anyone's
+		 * bits, and this way neither end is special */
+		if (extra && i == d->B / 2)
+			d->it[n++] = *extra;
+	}
+	d->step++;
+	t0 = now();
+	if (ro_model_forward(m, d->it, n))
+		return -1;
+	return now() - t0;
+}
+
+static void print_row(uint32_t B, const char *what, double p50, double p99, double a50, double a99,
+		      uint32_t steps_to_done)
+{
+	char done[32] = "";
+
+	if (steps_to_done)
+		(void)snprintf(done, sizeof(done), "%10.2f", steps_to_done * p50);
+	(void)printf("%5u  %-24s %11.2f %11.2f %9.2f %9.2f  %10s\n", B, what, p50 * 1e3, p99 * 1e3,
+		     p50 / a50, p99 / a99, done);
+	fflush(stdout);
+}
+
+static int chunked_section(struct ro_model *m, const struct chunked *o)
+{
+	const uint32_t V = ro_model_config(m)->vocab, N = o->prompt, S = o->steps, plen = 32;
+	const uint32_t sizes[3] = {o->chunk / 2 ? o->chunk / 2 : 1, o->chunk, o->chunk * 2};
+	int32_t *p = malloc(N * sizeof(*p)), *dp = malloc(plen * sizeof(*dp));
+	float *lp = malloc(V * sizeof(float));
+	double *t = malloc(S * sizeof(*t));
+	int r = 0;
+
+	for (uint32_t j = 0; j < N; j++)
+		p[j] = (int32_t)(((uint64_t)j * 104729 + 31) % V);
+	(void)printf("\ndecode under a chunked prefill: a %u-token prompt prefilled in the decode "
+		     "batch, one chunk per step;\n%u steps per row (chunks at offsets spread over "
+		     "the prompt, the rest of its cache in place)\n\n",
+		     N, S);
+	(void)printf("%5s  %-24s %11s %11s %9s %9s  %10s\n", "batch", "beside the decode", "p50 ms",
+		     "p99 ms", "x p50", "x p99", "prompt s");
+	for (uint32_t bi = 0; bi < o->nb && !r; bi++) {
+		struct decoders d = {.B = o->batches[bi], .V = V};
+		struct ro_seq *ps = NULL;
+		double a50, a99, full;
+
+		d.seq = calloc(d.B, sizeof(*d.seq));
+		d.it = calloc(d.B + 1, sizeof(*d.it));
+		d.tok = malloc(d.B * sizeof(*d.tok));
+		d.logits = malloc((size_t)d.B * V * sizeof(float));
+		for (uint32_t i = 0; i < d.B && !r; i++) {
+			for (uint32_t j = 0; j < plen; j++)
+				dp[j] = (int32_t)((i * 7919 + j * 104729) % V);
+			r = ro_seq_new(m, plen + S * 4 + 8, &d.seq[i]);
+			if (!r)
+				r = ro_model_forward(m,
+						     &(struct ro_fwd_item){d.seq[i], dp, plen,
+									   d.logits + (size_t)i * V,
+									   false},
+						     1);
+		}
+		if (!r)
+			r = ro_seq_new(m, N, &ps);
+		/* (a) decode alone, after one warm-up step */
+		for (uint32_t s = 0; s <= S && !r; s++) {
+			double dt = decode_step(m, &d, NULL);
+
+			if (dt < 0)
+				r = -1;
+			else if (s)
+				t[s - 1] = dt;
+		}
+		if (r)
+			break;
+		a50 = quantile(t, S, 0.5);
+		a99 = quantile(t, S, 0.99);
+		print_row(d.B, "nothing (decode alone)", a50, a99, a50, a99, 0);
+		/* (c) first: the whole prompt in one step, which also leaves its cache for the
+		 * chunks to reuse */
+		full = decode_step(m, &d, &(struct ro_fwd_item){ps, p, N, lp, false});
+		if (full < 0) {
+			r = -1;
+			break;
+		}
+		/* (b) a chunk per step: chunk k at an offset spread over the prompt; the cache
+		 * before it is the prompt's own (bitwise what chunking would have written) */
+		for (uint32_t c = 0; c < 3 && !r; c++) {
+			const uint32_t C = sizes[c] < N ? sizes[c] : N;
+			char what[32];
+
+			for (uint32_t k = 0; k < S; k++) {
+				uint32_t off =
+				    S > 1 ? (uint32_t)((uint64_t)(N - C) * k / (S - 1)) : 0;
+				double dt;
+
+				ro_seq_truncate(ps, off);
+				dt = decode_step(m, &d,
+						 &(struct ro_fwd_item){ps, p + off, C, lp, false});
+				if (dt < 0) {
+					r = -1;
+					break;
+				}
+				t[k] = dt;
+			}
+			if (r)
+				break;
+			(void)snprintf(what, sizeof(what), "chunks of %u", C);
+			print_row(d.B, what, quantile(t, S, 0.5), quantile(t, S, 0.99), a50, a99,
+				  (N + C - 1) / C);
+		}
+		if (!r)
+			print_row(d.B, "the whole prompt at once", full, full, a50, a99, 1);
+		ro_seq_free(ps);
+		for (uint32_t i = 0; i < d.B; i++)
+			ro_seq_free(d.seq[i]);
+		free(d.seq);
+		free(d.it);
+		free(d.tok);
+		free(d.logits);
+	}
+	if (!r)
+		(void)printf("\nx p50, x p99: the step's time over decode alone's. prompt s: the "
+			     "prompt's prefill done after\nceil(N / C) steps of p50 each (one step "
+			     "when whole), while the batch decodes a token per step.\n");
+	free(p);
+	free(dp);
+	free(lp);
+	free(t);
+	return r;
+}
+
 int main(int argc, char **argv)
 {
 	static const struct option opts[] = {
@@ -222,11 +409,18 @@ int main(int argc, char **argv)
 	    {"threads", required_argument, NULL, 't'},
 	    {"batches", required_argument, NULL, 'b'},
 	    {"prompt", required_argument, NULL, 'p'},
+	    {"only", required_argument, NULL, 'o'},
+	    {"prefill-chunk", required_argument, NULL, 'c'},
+	    {"long-prompt", required_argument, NULL, 'l'},
+	    {"chunk-batches", required_argument, NULL, 'B'},
+	    {"chunk-steps", required_argument, NULL, 'S'},
 	    {0},
 	};
 	const char *dir = "/tmp/rolloutd-decode-bench-model";
 	uint32_t steps = 8, threads = 0, batches[16] = {1, 8, 32, 128}, nb = 4, plen = 32;
 	uint32_t prefill_len = 512;
+	struct chunked ck = {.batches = {8, 32}, .nb = 2, .chunk = 256, .prompt = 2000, .steps = 4};
+	bool run_decode = true, run_chunked = true;
 	struct ro_model_opts mo = {0};
 	struct ro_model *m;
 	const struct ro_model_config *c;
@@ -245,21 +439,41 @@ int main(int argc, char **argv)
 			threads = (uint32_t)atoi(optarg);
 		} else if (ch == 'p') {
 			prefill_len = (uint32_t)atoi(optarg);
-		} else if (ch == 'b') {
+		} else if (ch == 'b' || ch == 'B') {
+			uint32_t *v = ch == 'b' ? batches : ck.batches,
+				 *n = ch == 'b' ? &nb : &ck.nb;
 			char *s = optarg;
 
-			nb = 0;
-			while (*s && nb < 16) {
-				batches[nb++] = (uint32_t)strtoul(s, &s, 10);
+			*n = 0;
+			while (*s && *n < 16) {
+				v[(*n)++] = (uint32_t)strtoul(s, &s, 10);
 				if (*s == ',')
 					s++;
 			}
+		} else if (ch == 'o') {
+			run_decode = !strcmp(optarg, "decode");
+			run_chunked = !strcmp(optarg, "chunked");
+			if (!run_decode && !run_chunked)
+				return 2;
+		} else if (ch == 'c') {
+			ck.chunk = (uint32_t)atoi(optarg);
+		} else if (ch == 'l') {
+			ck.prompt = (uint32_t)atoi(optarg);
+		} else if (ch == 'S') {
+			ck.steps = (uint32_t)atoi(optarg);
 		} else {
 			return 2;
 		}
 	}
-	if (!steps || !nb || prefill_len < 2 || prefill_len > 8192)
+	if (!steps || !nb || prefill_len < 2 || prefill_len > 8192 || !ck.nb || !ck.chunk ||
+	    ck.prompt < 2 || !ck.steps)
 		return 2;
+	for (uint32_t i = 0; i < nb; i++)
+		if (!batches[i])
+			return 2;
+	for (uint32_t i = 0; i < ck.nb; i++)
+		if (!ck.batches[i])
+			return 2;
 	if (ensure_model(dir))
 		return 1;
 	mo.threads = threads;
@@ -271,117 +485,132 @@ int main(int argc, char **argv)
 	shape_of(c, &sh);
 	ro_model_sizes(m, &total, &active);
 	threads = ro_model_threads(m);
-	(void)fprintf(stderr, "decode_bench: measuring the machine (%u threads) ...\n", threads);
-	bw = copy_bandwidth(threads);
-	fl = fma_throughput(threads);
 	(void)printf("model: %s, %u layers, hidden %u, %u experts top-%u, expert FFN %u, vocab %u, "
 		     "%s\n       %.2fB parameters in all, %.3fB touched per token; kernels %s, "
 		     "%u threads\n",
 		     dir, c->layers, c->hidden, c->experts, c->top_k, c->expert_ffn, c->vocab,
 		     c->dtype, total / 2e9, active / 2e9, ro_model_kernels(m), threads);
-	(void)printf("machine: memcpy %.1f GB/s (bytes read + written), FMA %.1f GFLOP/s (f32)\n\n",
-		     bw / 1e9, fl / 1e9);
-	(void)printf("%-22s %12s %12s %10s %10s %12s %9s  %s\n", "run", "tokens/s", "ms/step",
-		     "GB/step", "GFLOP/step", "floor tok/s", "x floor", "bound");
-	for (uint32_t bi = 0; bi < nb; bi++) {
-		const uint32_t B = batches[bi], V = c->vocab;
-		struct ro_seq **seq = calloc(B, sizeof(*seq));
-		struct ro_fwd_item *it = calloc(B, sizeof(*it));
-		int32_t *prompt = malloc(plen * sizeof(int32_t)), *tok = malloc(B * sizeof(int32_t));
-		float *logits = malloc((size_t)B * V * sizeof(float));
-		double t = 0, bytes = 0, flops = 0, b1, f1, floor_s;
-		uint32_t ctx;
-
-		for (uint32_t i = 0; i < B; i++) {
-			for (uint32_t j = 0; j < plen; j++)
-				prompt[j] = (int32_t)((i * 7919 + j * 104729) % V);
-			ro_seq_new(m, plen + steps + 4, &seq[i]);
-			it[i] = (struct ro_fwd_item){seq[i], prompt, plen, logits + (size_t)i * V, false};
-			if (ro_model_forward(m, &it[i], 1))
-				return 1;
-		}
-		for (uint32_t s = 0; s < steps + 1; s++) {
-			double t0;
+	if (run_decode) {
+		(void)fprintf(stderr, "decode_bench: measuring the machine (%u threads) ...\n",
+			      threads);
+		bw = copy_bandwidth(threads);
+		fl = fma_throughput(threads);
+		(void)printf(
+		    "machine: memcpy %.1f GB/s (bytes read + written), FMA %.1f GFLOP/s (f32)\n\n",
+		    bw / 1e9, fl / 1e9);
+		(void)printf("%-22s %12s %12s %10s %10s %12s %9s  %s\n", "run", "tokens/s",
+			     "ms/step", "GB/step", "GFLOP/step", "floor tok/s", "x floor", "bound");
+		for (uint32_t bi = 0; bi < nb; bi++) {
+			const uint32_t B = batches[bi], V = c->vocab;
+			struct ro_seq **seq = calloc(B, sizeof(*seq));
+			struct ro_fwd_item *it = calloc(B, sizeof(*it));
+			int32_t *prompt = malloc(plen * sizeof(int32_t)),
+				*tok = malloc(B * sizeof(int32_t));
+			float *logits = malloc((size_t)B * V * sizeof(float));
+			double t = 0, bytes = 0, flops = 0, b1, f1, floor_s;
+			uint32_t ctx;
 
 			for (uint32_t i = 0; i < B; i++) {
-				tok[i] = ro_sample(logits + (size_t)i * V, V,
-						   &(struct ro_sampling){.temperature = 1.0, .top_p = 1.0,
-									 .seed = 1},
-						   i, 0, s, NULL);
-				it[i] = (struct ro_fwd_item){seq[i], &tok[i], 1,
+				for (uint32_t j = 0; j < plen; j++)
+					prompt[j] = (int32_t)((i * 7919 + j * 104729) % V);
+				ro_seq_new(m, plen + steps + 4, &seq[i]);
+				it[i] = (struct ro_fwd_item){seq[i], prompt, plen,
 							     logits + (size_t)i * V, false};
+				if (ro_model_forward(m, &it[i], 1))
+					return 1;
 			}
-			ctx = ro_seq_len(seq[0]);
-			t0 = now();
-			if (ro_model_forward(m, it, B))
-				return 1;
-			if (s == 0)
-				continue; /* warm-up */
-			t += now() - t0;
-			work(&sh, B, (double)B * (ctx + 1), ro_model_last_experts(m), B, &b1, &f1);
-			bytes += b1;
-			flops += f1;
+			for (uint32_t s = 0; s < steps + 1; s++) {
+				double t0;
+
+				for (uint32_t i = 0; i < B; i++) {
+					tok[i] = ro_sample(logits + (size_t)i * V, V,
+							   &(struct ro_sampling){.temperature = 1.0,
+										 .top_p = 1.0,
+										 .seed = 1},
+							   i, 0, s, NULL);
+					it[i] = (struct ro_fwd_item){seq[i], &tok[i], 1,
+								     logits + (size_t)i * V, false};
+				}
+				ctx = ro_seq_len(seq[0]);
+				t0 = now();
+				if (ro_model_forward(m, it, B))
+					return 1;
+				if (s == 0)
+					continue; /* warm-up */
+				t += now() - t0;
+				work(&sh, B, (double)B * (ctx + 1), ro_model_last_experts(m), B,
+				     &b1, &f1);
+				bytes += b1;
+				flops += f1;
+			}
+			bytes /= steps;
+			flops /= steps;
+			t /= steps;
+			floor_s = bytes / bw > flops / fl ? bytes / bw : flops / fl;
+			{
+				char name[32];
+
+				(void)snprintf(name, sizeof(name), "decode, batch %u", B);
+				(void)printf("%-22s %12.1f %12.2f %10.3f %10.2f %12.1f %9.2f  %s\n",
+					     name, B / t, t * 1e3, bytes / 1e9, flops / 1e9,
+					     B / floor_s, t / floor_s,
+					     bytes / bw > flops / fl ? "memory" : "compute");
+			}
+			for (uint32_t i = 0; i < B; i++)
+				ro_seq_free(seq[i]);
+			free(seq);
+			free(it);
+			free(prompt);
+			free(tok);
+			free(logits);
+			fflush(stdout);
 		}
-		bytes /= steps;
-		flops /= steps;
-		t /= steps;
-		floor_s = bytes / bw > flops / fl ? bytes / bw : flops / fl;
 		{
+			struct ro_seq *s;
+			int32_t *p = malloc(prefill_len * sizeof(int32_t));
+			float *logits = malloc(c->vocab * sizeof(float));
+			double best = 1e30, bytes = 0, flops = 0, floor_s;
+
+			for (uint32_t j = 0; j < prefill_len; j++)
+				p[j] = (int32_t)((j * 104729 + 17) % c->vocab);
+			for (int rep = 0; rep < 3; rep++) {
+				struct ro_fwd_item it;
+				double t0;
+
+				ro_seq_new(m, prefill_len, &s);
+				it = (struct ro_fwd_item){s, p, prefill_len, logits, false};
+				t0 = now();
+				if (ro_model_forward(m, &it, 1))
+					return 1;
+				if (now() - t0 < best)
+					best = now() - t0;
+				ro_seq_free(s);
+			}
+			/* context sum of a causal prefill: 1 + 2 + ... + n */
+			work(&sh, prefill_len, (double)prefill_len * (prefill_len + 1) / 2,
+			     ro_model_last_experts(m), 1, &bytes, &flops);
+			floor_s = bytes / bw > flops / fl ? bytes / bw : flops / fl;
 			char name[32];
 
-			(void)snprintf(name, sizeof(name), "decode, batch %u", B);
-			(void)printf("%-22s %12.1f %12.2f %10.3f %10.2f %12.1f %9.2f  %s\n", name, B / t,
-				     t * 1e3, bytes / 1e9, flops / 1e9, B / floor_s, t / floor_s,
+			(void)snprintf(name, sizeof(name), "prefill, %u tokens", prefill_len);
+			(void)printf("%-22s %12.1f %12.2f %10.3f %10.2f %12.1f %9.2f  %s\n", name,
+				     prefill_len / best, best * 1e3, bytes / 1e9, flops / 1e9,
+				     prefill_len / floor_s, best / floor_s,
 				     bytes / bw > flops / fl ? "memory" : "compute");
+			free(p);
+			free(logits);
 		}
-		for (uint32_t i = 0; i < B; i++)
-			ro_seq_free(seq[i]);
-		free(seq);
-		free(it);
-		free(prompt);
-		free(tok);
-		free(logits);
-		fflush(stdout);
+		(void)printf(
+		    "\nx floor = measured time / floor time (1.00 is the machine's limit; goal "
+		    "<= 2.00).\nfloor = max(bytes touched / memcpy bandwidth, FLOPs / FMA "
+		    "throughput); bytes count the weights of the\nexperts the step really ran "
+		    "(all 64 per layer from batch ~32 on), attention, router, head, KV.\n");
 	}
-	{
-		struct ro_seq *s;
-		int32_t *p = malloc(prefill_len * sizeof(int32_t));
-		float *logits = malloc(c->vocab * sizeof(float));
-		double best = 1e30, bytes = 0, flops = 0, floor_s;
-
-		for (uint32_t j = 0; j < prefill_len; j++)
-			p[j] = (int32_t)((j * 104729 + 17) % c->vocab);
-		for (int rep = 0; rep < 3; rep++) {
-			struct ro_fwd_item it;
-			double t0;
-
-			ro_seq_new(m, prefill_len, &s);
-			it = (struct ro_fwd_item){s, p, prefill_len, logits, false};
-			t0 = now();
-			if (ro_model_forward(m, &it, 1))
-				return 1;
-			if (now() - t0 < best)
-				best = now() - t0;
-			ro_seq_free(s);
-		}
-		/* context sum of a causal prefill: 1 + 2 + ... + n */
-		work(&sh, prefill_len, (double)prefill_len * (prefill_len + 1) / 2,
-		     ro_model_last_experts(m), 1, &bytes, &flops);
-		floor_s = bytes / bw > flops / fl ? bytes / bw : flops / fl;
-		char name[32];
-
-		(void)snprintf(name, sizeof(name), "prefill, %u tokens", prefill_len);
-		(void)printf("%-22s %12.1f %12.2f %10.3f %10.2f %12.1f %9.2f  %s\n", name,
-			     prefill_len / best, best * 1e3, bytes / 1e9, flops / 1e9,
-			     prefill_len / floor_s, best / floor_s,
-			     bytes / bw > flops / fl ? "memory" : "compute");
-		free(p);
-		free(logits);
+	if (run_chunked && chunked_section(m, &ck)) {
+		(void)fprintf(stderr, "decode_bench: a forward failed in the chunked section\n");
+		ro_model_free(m);
+		return 1;
 	}
-	(void)printf("\nx floor = measured time / floor time (1.00 is the machine's limit; goal "
-		     "<= 2.00).\nfloor = max(bytes touched / memcpy bandwidth, FLOPs / FMA "
-		     "throughput); bytes count the weights of the\nexperts the step really ran "
-		     "(all 64 per layer from batch ~32 on), attention, router, head, KV.\n");
 	ro_model_free(m);
 	return 0;
 }
