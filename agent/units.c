@@ -183,6 +183,20 @@ static uint64_t mem_available(void)
 	return avail;
 }
 
+/* Memory a new unit may take: what the system has, less what units already admitted will
+ * allocate once the engine starts them (a claim batch is admitted before any of it runs). */
+static uint64_t room(struct ro_agent *a)
+{
+	uint64_t avail = mem_available(), pending = 0;
+
+	pthread_mutex_lock(&a->mu);
+	for (const struct unit_rt *u = a->units; u; u = u->next)
+		if (u->cp == CP_HELD && u->phase < 2)
+			pending += ro_engine_unit_bytes(a, &u->u, u->n_s);
+	pthread_mutex_unlock(&a->mu);
+	return avail > pending ? avail - pending : 0;
+}
+
 /* A checkpoint this model can resume from: every token in the vocabulary, the prefix inside
  * the unit's bound, every log-probability a finite number <= 0. */
 static bool progress_ok(const struct ro_agent *a, const struct ro_unit *u,
@@ -321,7 +335,7 @@ static void admit(struct ro_agent *a, struct ro_claim *c, int64_t sent_ms, bool 
 	} else if ((r = samples_owed(a, u))) {
 		(void)snprintf(why, sizeof(why), "could not start on this worker: %s", strerror(-r));
 		end = END_FAIL;
-	} else if ((need = ro_engine_unit_bytes(a, &u->u, u->n_s)) > (avail = mem_available())) {
+	} else if ((need = ro_engine_unit_bytes(a, &u->u, u->n_s)) > (avail = room(a))) {
 		(void)snprintf(why, sizeof(why),
 			       "needs %.1f MiB for %u samples of %u + %u tokens, %.1f MiB available",
 			       need / 1048576.0, u->n_s, u->u.prompt_len, u->u.max_new_tokens,
