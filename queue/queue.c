@@ -424,8 +424,9 @@ static void op_reply(void *arg, int r, redisReply *rep, const char *why)
 }
 
 /* Send a built command as an operation that ends within timeout_ms. */
-static int submit(struct ro_queue *q, struct args *a, int (*parse)(struct op *, redisReply *),
-		  size_t count, const struct ro_queue_cb *cb, struct op **ret_op)
+static int submit_blocking(struct ro_queue *q, struct args *a,
+			   int (*parse)(struct op *, redisReply *), size_t count, uint32_t block_ms,
+			   const struct ro_queue_cb *cb, struct op **ret_op)
 {
 	struct op *op;
 	int r;
@@ -442,8 +443,8 @@ static int submit(struct ro_queue *q, struct args *a, int (*parse)(struct op *, 
 	op->count = count;
 	op->stages = 1;
 	r = ro_conn_send(q->conn, (int)a->n, a->v, a->len,
-			 mono_ms() + (cb->timeout_ms ? cb->timeout_ms : q->o.retry_ms), 0, op_reply,
-			 op);
+			 mono_ms() + (cb->timeout_ms ? cb->timeout_ms : q->o.retry_ms), block_ms,
+			 op_reply, op);
 	if (r) {
 		free(op);
 		return fail(q, r, "out of memory");
@@ -451,6 +452,12 @@ static int submit(struct ro_queue *q, struct args *a, int (*parse)(struct op *, 
 	if (ret_op)
 		*ret_op = op;
 	return 0;
+}
+
+static int submit(struct ro_queue *q, struct args *a, int (*parse)(struct op *, redisReply *),
+		  size_t count, const struct ro_queue_cb *cb, struct op **ret_op)
+{
+	return submit_blocking(q, a, parse, count, 0, cb, ret_op);
 }
 
 /* ---- the synchronous face: an operation awaited ---------------------------------- */
@@ -502,12 +509,12 @@ static int await(struct ro_queue *q, struct waiter *w)
 }
 
 /* Run an operation to its end: its reply parsed into ret (which the caller clears). */
-static int run(struct ro_queue *q, struct args *a, int (*parse)(struct op *, redisReply *),
-	       size_t count, struct ro_queue_result *ret)
+static int run_op(struct ro_queue *q, struct args *a, int (*parse)(struct op *, redisReply *),
+		  size_t count, uint32_t block_ms, struct ro_queue_result *ret)
 {
 	struct waiter w = {.q = q};
-	struct ro_queue_cb cb = {waiter_done, &w, q->o.retry_ms};
-	int r = submit(q, a, parse, count, &cb, &w.op);
+	struct ro_queue_cb cb = {waiter_done, &w, q->o.retry_ms + block_ms};
+	int r = submit_blocking(q, a, parse, count, block_ms, &cb, &w.op);
 
 	args_clear(a);
 	if (r)
@@ -517,6 +524,19 @@ static int run(struct ro_queue *q, struct args *a, int (*parse)(struct op *, red
 	if (w.raw)
 		freeReplyObject(w.raw);
 	return r;
+}
+
+static int run(struct ro_queue *q, struct args *a, int (*parse)(struct op *, redisReply *),
+	       size_t count, struct ro_queue_result *ret)
+{
+	return run_op(q, a, parse, count, 0, ret);
+}
+
+static int run_blocking(struct ro_queue *q, struct args *a,
+			int (*parse)(struct op *, redisReply *), uint32_t block_ms,
+			struct ro_queue_result *ret)
+{
+	return run_op(q, a, parse, 0, block_ms, ret);
 }
 
 /* One command with its raw reply (error replies become -errno), reconnecting and sending
@@ -1304,13 +1324,17 @@ static int parse_woken(struct op *op, redisReply *rep)
 	return 0;
 }
 
+static uint32_t wait_ms(uint32_t timeout_ms)
+{
+	/* the server's own wait stays well inside the budget the caller gave it */
+	return timeout_ms > 60000 ? 60000 : timeout_ms ? timeout_ms : 1;
+}
+
 static void args_wait(struct ro_queue *q, struct args *a, uint32_t timeout_ms)
 {
 	char key[300];
 
-	/* a blocking command must answer inside the connection's reply timeout */
-	if (timeout_ms + 500 > q->o.timeout_ms)
-		timeout_ms = q->o.timeout_ms > 600 ? q->o.timeout_ms - 500 : 100;
+	timeout_ms = wait_ms(timeout_ms);
 	args_str(a, "BLPOP");
 	args_fmt(a, "%s", ro_queue_key(q, "marker", key, sizeof(key)));
 	args_fmt(a, "%.3f", timeout_ms / 1000.0);
@@ -1322,7 +1346,8 @@ int ro_queue_wait_async(struct ro_queue *q, uint32_t timeout_ms, const struct ro
 	int r;
 
 	args_wait(q, &a, timeout_ms);
-	r = submit(q, &a, parse_woken, 0, cb, NULL);
+	/* the reply may take the whole wait: the connection allows for it */
+	r = submit_blocking(q, &a, parse_woken, 0, wait_ms(timeout_ms), cb, NULL);
 	args_clear(&a);
 	return r;
 }
@@ -1334,7 +1359,7 @@ int ro_queue_wait(struct ro_queue *q, uint32_t timeout_ms, bool *ret_woken)
 	int r;
 
 	args_wait(q, &a, timeout_ms);
-	r = run(q, &a, parse_woken, 0, &res);
+	r = run_blocking(q, &a, parse_woken, wait_ms(timeout_ms), &res);
 	if (!r)
 		*ret_woken = res.woken;
 	result_clear(&res);

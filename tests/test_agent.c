@@ -377,8 +377,11 @@ Test(agent, spot_notice_drains_before_the_deadline)
 	av[n] = NULL;
 	enqueue(q, "u", 8, 2, 60, 2, scaled(1500));
 	start(&a, "a", q, av, NULL);
-	/* wait until it is well into the long units */
-	for (int i = 0; i < 200 && ro_test_int(c, "XLEN ro:{%s}:samples", q) < 8; i++)
+	/* wait until it is well into the long units: the short ones published, a long one
+	 * checkpointed (an event, not a time: a busy box may take a while) */
+	for (int i = 0; i < 1200 && (ro_test_int(c, "XLEN ro:{%s}:samples", q) < 8 ||
+				     ro_test_int(c, "HEXISTS ro:{%s}:unit:u-0 p:0", q) < 1);
+	     i++)
 		ro_test_msleep(50);
 	notice = ro_test_wall_ms() + 3000;
 	(void)snprintf(fire, sizeof(fire), "spot?in=0&time=%lld", (long long)(notice / 1000 + 1));
