@@ -44,6 +44,9 @@ void ro_drain_begin(struct ro_agent *a, int64_t deadline, const char *reason)
 	a->state = RO_DRAINING;
 	a->deadline_wall_ms = deadline;
 	a->hard_wall_ms = deadline + a->cfg.drain_margin_ms;
+	/* a notice whose time has passed still gets a moment for its requeues to land */
+	if (a->hard_wall_ms < ro_wall_ms() + 500)
+		a->hard_wall_ms = ro_wall_ms() + 500;
 	for (const struct unit_rt *u = a->units; u; u = u->next)
 		held += u->cp != CP_GONE;
 	seqs = ro_units_active(a);

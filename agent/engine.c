@@ -431,6 +431,7 @@ static void *engine_main(void *arg)
 	for (;;) {
 		int64_t t0;
 		uint32_t decoded;
+		uint64_t prefilled;
 		int r = 0;
 
 		pthread_mutex_lock(&a->mu);
@@ -481,7 +482,9 @@ static void *engine_main(void *arg)
 			ep_round(a);
 
 		pthread_mutex_lock(&a->mu);
+		prefilled = a->prefill_tokens;
 		decoded = commit(a, &st);
+		prefilled = a->prefill_tokens - prefilled;
 		if (st.n_items && !r) {
 			double ms = (double)(ro_now_ms() - t0);
 
@@ -492,6 +495,11 @@ static void *engine_main(void *arg)
 				a->tokens_per_s = a->tokens_per_s > 0
 						      ? 0.8 * a->tokens_per_s + 0.2 * decoded * 1000.0 / ms
 						      : decoded * 1000.0 / ms;
+			if (prefilled)
+				a->prefill_tokens_per_s =
+				    a->prefill_tokens_per_s > 0
+					? 0.8 * a->prefill_tokens_per_s + 0.2 * prefilled * 1000.0 / ms
+					: prefilled * 1000.0 / ms;
 		}
 		a->steps++;
 		a->engine_beat_ms = ro_now_ms();

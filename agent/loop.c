@@ -229,6 +229,7 @@ static int on_hard_deadline(sd_event_source *s, uint64_t usec, void *userdata)
 	       "expire and they are reaped with their last checkpoints",
 	       left, ro_queue_connected(a->q) ? "slow" : "unreachable");
 	a->last_drain_s = (double)(ro_now_ms() - a->drain_start_ms) / 1000.0;
+	a->hard_exit = true;
 	(void)sd_event_exit(a->ev, a->rc);
 	return 0;
 }
@@ -398,13 +399,24 @@ int ro_loop_run(struct ro_agent *a)
 		ro_log(LOG_ERR, "event loop: %s", strerror(-r));
 	a->exiting = true;
 	(void)sd_notify(0, "STOPPING=1\nSTATUS=drained");
-	ro_heartbeat(a);
 	ro_metrics_write(a);
+	if (a->hard_exit) {
+		/* on time matters more than tidy: the engine may be inside a step, Redis is
+		 * away; the socket goes, the process exits now (its leases expire) */
+		if (a->cfg.control_socket && *a->cfg.control_socket)
+			(void)unlink(a->cfg.control_socket);
+		ro_log(LOG_INFO, "exiting at the hard deadline: %llu units completed, %llu requeued",
+		       (unsigned long long)a->n.completed, (unsigned long long)a->n.requeued);
+		_exit(a->rc);
+	}
+	ro_heartbeat(a);
 	{
-		/* the hard deadline is the limit; a drain that ended in time has a little */
-		int64_t left = a->hard_wall_ms ? a->hard_wall_ms - ro_wall_ms() : 1000;
+		/* a drain that ended in time has a moment for the last writes (the heartbeat),
+		 * never past the hard deadline less the exit's reserve */
+		int64_t left = a->hard_wall_ms ? a->hard_wall_ms - ro_wall_ms() - 250 : 1000;
 
-		flush(a, ro_now_ms() + (left > 1000 ? 1000 : left));
+		if (left > 0)
+			flush(a, ro_now_ms() + (left > 1000 ? 1000 : left));
 	}
 	r = r < 0 ? 1 : a->rc;
 out:
