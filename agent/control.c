@@ -20,7 +20,7 @@
 
 #define CLIENTS_MAX 256
 #define LINE_MAX_BYTES 512
-#define IDLE_MS 10000
+#define IDLE_MS 30000
 
 struct client {
 	struct ro_control *ctl;

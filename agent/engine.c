@@ -454,6 +454,8 @@ static void *engine_main(void *arg)
 		st.n_jobs = 0;
 		plan(a, &st);
 		a->engine_working = st.n_jobs > 0;
+		if (st.n_jobs)
+			a->engine_beat_ms = ro_now_ms(); /* the age counts from this step's start */
 		if (!st.n_jobs && !a->ep) {
 			struct timespec ts;
 			bool released = false;

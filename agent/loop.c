@@ -267,6 +267,19 @@ static int on_tick(sd_event_source *s, uint64_t usec, void *userdata)
 
 	if (!a->held_done)
 		ro_units_held(a);
+	{
+		/* say it once when Redis goes away and once when it is back */
+		bool up = ro_queue_connected(a->q);
+
+		if (up != a->redis_was_up && (up || ro_queue_pending(a->q))) {
+			if (up)
+				ro_log(LOG_NOTICE, "redis: connected");
+			else
+				ro_log(LOG_WARNING, "redis: unreachable (%s); operations wait for it",
+				       ro_queue_conn_errmsg(a->q));
+			a->redis_was_up = up;
+		}
+	}
 	if (now >= a->next_renew_ms) {
 		ro_units_renew(a);
 		a->next_renew_ms = now + a->cfg.lease_ms / 3;

@@ -641,10 +641,15 @@ static void on_checkpointed(void *arg, struct ro_queue_result *res)
 				s->ckpt_at = now;
 			}
 		}
+		/* a sample held at its checkpoint bound may go on now */
+		ro_engine_kick(a);
 		pthread_mutex_unlock(&a->mu);
 		a->n.checkpoints += x->k;
 	} else if (res->r != -ECANCELED && transient(res->r)) {
-		a->n.redis_errors++; /* the next one is due soon anyway */
+		/* the next one is due soon anyway; meanwhile its samples wait at the bound */
+		a->n.redis_errors++;
+		ro_log_limited(&a->log_limit[5], 5000, LOG_WARNING,
+			       "unit %s: checkpoint: %s (its samples wait for it)", u->c.id, res->msg);
 	} else if (res->r != -ECANCELED) {
 		refused(a, u, res->r, "checkpoint", res->msg);
 	}

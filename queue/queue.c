@@ -591,6 +591,11 @@ uint64_t ro_queue_socket_gen(const struct ro_queue *q)
 	return ro_conn_sockets(q->conn);
 }
 
+const char *ro_queue_conn_errmsg(const struct ro_queue *q)
+{
+	return ro_conn_errmsg(q->conn);
+}
+
 bool ro_queue_connected(const struct ro_queue *q)
 {
 	return ro_conn_ready(q->conn);

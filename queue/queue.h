@@ -250,6 +250,8 @@ uint64_t ro_queue_socket_gen(const struct ro_queue *q);
 /* Operations not yet answered, and whether the connection is up now. */
 size_t ro_queue_pending(const struct ro_queue *q);
 bool ro_queue_connected(const struct ro_queue *q);
+/* Why the connection last failed ("" when it has not). */
+const char *ro_queue_conn_errmsg(const struct ro_queue *q);
 
 int ro_queue_claim_async(struct ro_queue *q, uint32_t k, uint32_t lease_ms,
 			 const struct ro_queue_cb *cb);
