@@ -105,6 +105,7 @@ static struct run {
 	struct ch_redis redis;
 	enum redis_state rs;
 	int64_t rs_until, rs_drain_at; /* mono */
+	int64_t rs_up_since;	       /* a redis fault waits for Redis to be up a while */
 	int rs_fault;		       /* the redis fault in progress, -1 none */
 	redisContext *c;
 	int64_t c_retry;
@@ -247,8 +248,8 @@ static void parse_opts(int argc, char **argv)
 	    .faults = is_long ? 120 : 12,
 	    .n_min = 2,
 	    .n_max = 4,
-	    .new_min = is_long ? 32 : 96,
-	    .new_max = is_long ? 320 : 320,
+	    .new_min = is_long ? 64 : 128,
+	    .new_max = is_long ? 512 : 448,
 	    .long_prompts = is_long ? 12 : 3,
 	    .long_min = 2000,
 	    .long_max = 3000,
@@ -258,8 +259,8 @@ static void parse_opts(int argc, char **argv)
 	    .margin_ms = 2000,
 	    .grace_s = is_long ? 30 : 6,
 	    .notice_s = is_long ? 60 : 10,
-	    .deadline_min_s = 5,
-	    .deadline_max_s = is_long ? 120 : 20,
+	    .deadline_min_s = is_long ? 5 : 3,
+	    .deadline_max_s = is_long ? 120 : 15,
 	    .window_s = is_long ? 1800 : 80,
 	    .timeout_s = is_long ? 3600 : 170,
 	    .stall_s = is_long ? 90 : 25,
@@ -417,6 +418,7 @@ static pid_t spawn(const char *const *av, const char *out)
 			(void)dup2(fd, 1);
 			(void)dup2(fd, 2);
 		}
+		(void)signal(SIGPIPE, SIG_DFL); /* an ignored signal would stay so across exec */
 		execv(av[0], (char *const *)av);
 		_exit(127);
 	}
@@ -527,6 +529,14 @@ static void helper_add(pid_t pid, int64_t limit_ms, const char *what)
 		}
 	(void)kill(pid, SIGKILL);
 	(void)waitpid(pid, NULL, 0);
+}
+
+static bool helpers_running(void)
+{
+	for (int i = 0; i < MAX_HELPERS; i++)
+		if (R.h[i].pid)
+			return true;
+	return false;
 }
 
 static void helpers_reap(bool all)
@@ -910,19 +920,57 @@ static bool is_status(const char *s)
 	return !strncmp(s, "{\"state\":", 9);
 }
 
+/* Hold up to 64 idle connections for hold_ms: the daemon accepts them, gets nothing and
+ * closes them; each one it closes is opened again, so its listen backlog stays full. */
+static void flood_idle(const char *sock, uint32_t hold_ms, int *ret_max, long *ret_total)
+{
+	int fd[64];
+	int64_t end = mono() + hold_ms;
+
+	for (int i = 0; i < 64; i++)
+		fd[i] = -1;
+	*ret_max = 0;
+	*ret_total = 0;
+	while (mono() < end) {
+		int open_now = 0;
+
+		for (int i = 0; i < 64; i++) {
+			char b[64];
+
+			if (fd[i] >= 0) {
+				ssize_t n = recv(fd[i], b, sizeof(b), MSG_DONTWAIT);
+
+				if (n == 0 || (n < 0 && errno != EAGAIN)) {
+					(void)close(fd[i]);
+					fd[i] = -1;
+				}
+			}
+			if (fd[i] < 0) {
+				fd[i] = uconnect(sock, true);
+				*ret_total += fd[i] >= 0;
+			}
+			open_now += fd[i] >= 0;
+		}
+		if (open_now > *ret_max)
+			*ret_max = open_now;
+		ro_test_msleep(20); /* a pace for the top-up, not a wait for an event */
+	}
+	for (int i = 0; i < 64; i++)
+		if (fd[i] >= 0)
+			(void)close(fd[i]);
+}
+
 static void flood_child(const char *sock, const char *out, uint32_t hold_ms)
 {
-	int idle[64], nidle = 0, fd;
 	char split[2048] = "", after[2048] = "", junk[256] = "";
-	int64_t t0 = mono(), split_ms = -1, after_ms = -1;
+	int64_t split_ms = -1, after_ms = -1;
+	int idle_max = 0, fd, p[2], st;
+	long idle_total = 0;
+	pid_t idler;
 	FILE *f;
-	for (int i = 0; i < 64; i++) {
-		int c = uconnect(sock, true);
 
-		if (c >= 0)
-			idle[nidle++] = c;
-	}
-	/* a command in two writes 300 ms apart */
+	/* a command in two writes 300 ms apart, on a quiet socket: the daemon accepts it at
+	 * once and has only the first half when it reads */
 	fd = uconnect(sock, false);
 	if (fd >= 0) {
 		int64_t ts = mono();
@@ -934,37 +982,44 @@ static void flood_child(const char *sock, const char *out, uint32_t hold_ms)
 		split_ms = mono() - ts;
 		(void)close(fd);
 	}
+	if (pipe(p))
+		_exit(1);
+	idler = fork();
+	if (idler == 0) {
+		(void)close(p[0]);
+		flood_idle(sock, hold_ms, &idle_max, &idle_total);
+		(void)!write(p[1], &idle_max, sizeof(idle_max));
+		(void)!write(p[1], &idle_total, sizeof(idle_total));
+		_exit(0);
+	}
+	(void)close(p[1]);
+	ro_test_msleep(300); /* let the idle connections fill the backlog first */
 	/* junk lines, one connection each (none starts with "drain": that is a command) */
 	for (int i = 0; i < 4; i++) {
 		static const char *const j[] = {"\x01\x02\xff\xfe garbage\n", "\n",
 						"status please\n", NULL};
-		char r[512];
+		char r[512], big[8192];
 
-		if (i == 3) {
-			char big[8192];
-
-			memset(big, 'x', sizeof(big) - 2);
-			big[sizeof(big) - 2] = '\n';
-			big[sizeof(big) - 1] = '\0';
-			fd = uconnect(sock, false);
-			if (fd < 0)
-				continue;
-			(void)!write(fd, big, strlen(big));
-		} else {
-			fd = uconnect(sock, false);
-			if (fd < 0)
-				continue;
+		fd = uconnect(sock, false);
+		if (fd < 0)
+			continue;
+		if (j[i]) {
 			(void)!write(fd, j[i], strlen(j[i]));
+		} else {
+			memset(big, 'x', sizeof(big) - 1);
+			big[sizeof(big) - 1] = '\n';
+			(void)!write(fd, big, sizeof(big));
 		}
 		read_reply(fd, r, sizeof(r), 3000);
-		(void)snprintf(junk + strlen(junk), sizeof(junk) - strlen(junk), "%s%c",
-			       r[0] ? (strstr(r, "error") ? "e" : "r") : "-", i < 3 ? ',' : '\0');
+		(void)snprintf(junk + strlen(junk), sizeof(junk) - strlen(junk), "%s%s",
+			       i ? "," : "", r[0] ? (strstr(r, "error") ? "e" : "r") : "-");
 		(void)close(fd);
 	}
-	while (mono() < t0 + hold_ms) /* the idle connections are the fault: hold them */
-		ro_test_msleep(50);
-	for (int i = 0; i < nidle; i++)
-		(void)close(idle[i]);
+	(void)waitpid(idler, &st, 0); /* the hold is over */
+	if (read(p[0], &idle_max, sizeof(idle_max)) != sizeof(idle_max) ||
+	    read(p[0], &idle_total, sizeof(idle_total)) != sizeof(idle_total))
+		idle_max = -1;
+	(void)close(p[0]);
 	/* afterwards the daemon still answers */
 	fd = uconnect(sock, false);
 	if (fd >= 0) {
@@ -978,10 +1033,11 @@ static void flood_child(const char *sock, const char *out, uint32_t hold_ms)
 	f = fopen(out, "w");
 	if (f) {
 		(void)fprintf(f,
-			      "flood idle=%d split_ok=%d split_ms=%lld after_ok=%d after_ms=%lld "
-			      "junk=%s split_reply=%.120s\n",
-			      nidle, is_status(split), (long long)split_ms, is_status(after),
-			      (long long)after_ms, junk[0] ? junk : "none", split[0] ? split : "none");
+			      "flood idle_max=%d idle_total=%ld split_ok=%d split_ms=%lld after_ok=%d "
+			      "after_ms=%lld junk=%s split_reply=%.120s\n",
+			      idle_max, idle_total, is_status(split), (long long)split_ms,
+			      is_status(after), (long long)after_ms, junk[0] ? junk : "none",
+			      split[0] ? split : "none");
 		(void)fclose(f);
 	}
 }
@@ -997,6 +1053,8 @@ static void make_schedule(struct ch_rng *g)
 	for (int k = 0; k < CH_NKINDS; k++)
 		if (R.o.kind[k] && k != CH_SHORT_LEASE)
 			kinds[nk++] = k;
+	unsigned nth[CH_NKINDS] = {0}, offset = ch_rng_range(g, 0, CH_NPOISON - 1);
+
 	R.nf = nk ? R.o.faults : 0;
 	for (unsigned i = 0; i < R.nf; i++) {
 		struct fault *f = &R.f[i];
@@ -1045,7 +1103,8 @@ static void make_schedule(struct ch_rng *g)
 					pv[np++] = v;
 			if (!np) /* the kind asked for, with no variant of it selected */
 				pv[np++] = f->kind == CH_POISON_CKPT ? CH_PV_CKPT_VOCAB : CH_PV_BADJSON;
-			f->variant = (uint32_t)pv[(i / (unsigned)nk + ch_rng_range(g, 0, 7)) % (unsigned)np];
+			/* each selected variant in turn, from a seeded start */
+			f->variant = (uint32_t)pv[(nth[f->kind]++ + offset) % (unsigned)np];
 			break;
 		default:
 			break;
@@ -1147,7 +1206,10 @@ static bool fire(struct fault *f, struct ch_rng *g)
 		if (!s)
 			return false;
 	} else if (f->kind != CH_POISON && f->kind != CH_POISON_CKPT) {
-		if (R.rs != RS_UP || R.rs_fault >= 0)
+		/* one Redis fault at a time, with Redis up for a third of the lease between */
+		if (R.rs != RS_UP || R.rs_fault >= 0 ||
+		    mono() - R.rs_up_since < (int64_t)(lease_short() ? R.o.short_lease_ms
+								    : R.o.lease_ms) / 3)
 			return false;
 	} else if (R.rs != RS_UP) {
 		return false;
@@ -1199,6 +1261,7 @@ static bool fire(struct fault *f, struct ch_rng *g)
 		if (ch_redis_spawn(&R.redis))
 			die("redis-server did not restart (see %s)", R.redis.log);
 		rec("redis event=up at=%lld fault=%d", (long long)wall(), f->id);
+		R.rs_up_since = mono();
 		(void)snprintf(what + strlen(what), sizeof(what) - strlen(what), " lost_bytes=%lld",
 			       lost);
 		redisFree(R.c);
@@ -1262,7 +1325,7 @@ static bool fire(struct fault *f, struct ch_rng *g)
 	say("fault %d: %s %s %s (done %ld/%ld)", f->id, ch_kind_name[f->kind], s ? s->name : "",
 	    what, R.finished, R.total);
 	f->state = 1;
-	R.last_fire = mono();
+	R.last_fire = R.last_change = mono();
 	if (f->kind == CH_KILL)
 		s->restart_at = f->restart_ms; /* a delay, turned into a time at the exit */
 	return true;
@@ -1303,6 +1366,7 @@ static void timers(void)
 
 		if (s->st == SL_START && s->pid > 0 && !stat(s->sock, &st)) {
 			s->st = SL_RUN;
+			R.last_change = now; /* stalls count from here */
 			rec("ready name=%s at=%lld", s->name, (long long)wall());
 		} else if (s->st == SL_START && s->pid > 0 && now >= s->ready_by) {
 			rec("slow_start name=%s at=%lld", s->name, (long long)wall());
@@ -1337,6 +1401,7 @@ static void timers(void)
 		say("redis SIGCONT");
 		R.rs = RS_UP;
 		R.rs_fault = -1;
+		R.rs_up_since = R.last_change = now;
 	}
 	if (R.rs == RS_DOWN && now >= R.rs_until) {
 		if (ch_redis_spawn(&R.redis))
@@ -1345,6 +1410,7 @@ static void timers(void)
 		say("redis up again");
 		R.rs = RS_UP;
 		R.rs_fault = -1;
+		R.rs_up_since = R.last_change = now;
 	}
 }
 
@@ -1433,6 +1499,7 @@ int main(int argc, char **argv)
 	int rc;
 
 	(void)setvbuf(stdout, NULL, _IOLBF, 0);
+	(void)signal(SIGPIPE, SIG_IGN); /* the daemon closes control connections on us */
 	parse_opts(argc, argv);
 	R.start = mono();
 	R.rs_fault = -1;
@@ -1554,7 +1621,7 @@ int main(int argc, char **argv)
 				}
 			}
 		}
-		if (!faults_left && all_running()) {
+		if (!faults_left && all_running() && !helpers_running()) {
 			if (R.finished >= R.total)
 				break;
 			if (now - R.last_change > (int64_t)R.o.stall_s * 1000) {
@@ -1578,6 +1645,10 @@ int main(int argc, char **argv)
 		rec("redis event=%s at=%lld fault=%d", R.rs == RS_PAUSED ? "cont" : "up",
 		    (long long)wall(), R.rs_fault);
 	R.rs = RS_UP;
+	for (int64_t until = mono() + 30000; helpers_running() && mono() < until;) {
+		helpers_reap(false);
+		ro_test_msleep(20);
+	}
 	finish_agents();
 	helpers_reap(true);
 	for (unsigned i = 0; i < R.o.agents; i++)
