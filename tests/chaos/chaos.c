@@ -41,7 +41,7 @@
  * the CI run's default. */
 static const char *const ci_kinds = "kill,stop,spot,rebalance,lifecycle,sigterm,ctl,"
 				    "redis_restart,imds,poison";
-static const char *const ci_poisons = "badjson,n_up,stray_body,stray_hash,ckpt_garbage";
+static const char *const ci_poisons = "badjson,stray_body,stray_hash,ckpt_garbage";
 
 struct opts {
 	uint64_t seed;
@@ -259,7 +259,7 @@ static void parse_opts(int argc, char **argv)
 	    .margin_ms = 2000,
 	    .grace_s = is_long ? 30 : 6,
 	    .notice_s = is_long ? 60 : 10,
-	    .deadline_min_s = is_long ? 5 : 3,
+	    .deadline_min_s = is_long ? 5 : 6,
 	    .deadline_max_s = is_long ? 120 : 15,
 	    .window_s = is_long ? 1800 : 80,
 	    .timeout_s = is_long ? 3600 : 170,
@@ -962,7 +962,8 @@ static void flood_idle(const char *sock, uint32_t hold_ms, int *ret_max, long *r
 
 static void flood_child(const char *sock, const char *out, uint32_t hold_ms)
 {
-	char split[2048] = "", after[2048] = "", junk[256] = "";
+	char split[2048] = "", after[2048] = "", junk[256] = "", jd[2048] = "";
+	bool gone = false;
 	int64_t split_ms = -1, after_ms = -1;
 	int idle_max = 0, fd, p[2], st;
 	long idle_total = 0;
@@ -1020,7 +1021,7 @@ static void flood_child(const char *sock, const char *out, uint32_t hold_ms)
 	    read(p[0], &idle_total, sizeof(idle_total)) != sizeof(idle_total))
 		idle_max = -1;
 	(void)close(p[0]);
-	/* afterwards the daemon still answers */
+	/* afterwards the daemon still answers (unless it is gone: another fault ended it) */
 	fd = uconnect(sock, false);
 	if (fd >= 0) {
 		int64_t ts = mono();
@@ -1029,15 +1030,24 @@ static void flood_child(const char *sock, const char *out, uint32_t hold_ms)
 		read_reply(fd, after, sizeof(after), 15000);
 		after_ms = mono() - ts;
 		(void)close(fd);
+	} else {
+		gone = true;
+	}
+	/* last, since it may end the agent: a junk line that only starts with "drain" */
+	fd = uconnect(sock, false);
+	if (fd >= 0) {
+		(void)!write(fd, "drainage-is-not-a-command\n", 26);
+		read_reply(fd, jd, sizeof(jd), 15000);
+		(void)close(fd);
 	}
 	f = fopen(out, "w");
 	if (f) {
 		(void)fprintf(f,
 			      "flood idle_max=%d idle_total=%ld split_ok=%d split_ms=%lld after_ok=%d "
-			      "after_ms=%lld junk=%s split_reply=%.120s\n",
+			      "after_ms=%lld junk=%s junk_drained=%d split_reply=%.120s\n",
 			      idle_max, idle_total, is_status(split), (long long)split_ms,
-			      is_status(after), (long long)after_ms, junk[0] ? junk : "none",
-			      split[0] ? split : "none");
+			      gone ? -1 : is_status(after), (long long)after_ms, junk[0] ? junk : "none",
+			      strstr(jd, "\"state\":\"drain") != NULL, split[0] ? split : "none");
 		(void)fclose(f);
 	}
 }

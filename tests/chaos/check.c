@@ -1233,9 +1233,14 @@ int main(int argc, char **argv)
 					  "a \"status\" command sent in two writes (300 ms apart) got "
 					  "%s, not a status",
 					  rep);
-			if (!ch_kv_ll(line, "after_ok", 0))
+			if (ch_kv_ll(line, "junk_drained", 0))
+				violation("control", "the junk line \"drainage-is-not-a-command\" "
+						     "drained the agent (a prefix match on \"drain\")");
+			if (ch_kv_ll(line, "after_ok", 0) == 0)
 				violation("control", "no status reply after the flood (%s)",
 					  C.floods[i]);
+			else if (ch_kv_ll(line, "after_ok", 0) < 0)
+				note("flood %d: the agent was gone by the end of the flood", i);
 			note("flood %d: up to %lld idle connections open at once (%lld opened in all, "
 			     "the daemon closing each after its 200 ms read); the split command "
 			     "answered in %lld ms",
@@ -1279,8 +1284,11 @@ int main(int argc, char **argv)
 	(void)printf("tokens: %lld generated (sum of rolloutd_tokens_generated_total over every "
 		     "agent process's last textfile), %ld in the stream's samples: %lld "
 		     "regenerated (a lower bound: a SIGKILLed agent's textfile is up to 200 ms "
-		     "old)\n",
-		     gen_tokens, final_tokens, gen_tokens - final_tokens);
+		     "old%s)\n",
+		     gen_tokens, final_tokens, gen_tokens > final_tokens ? gen_tokens - final_tokens : 0,
+		     gen_tokens < final_tokens ? "; here the killed agents' textfiles missed more "
+						 "than was regenerated"
+					       : "");
 	(void)printf("stale writes refused: %ld (\"lease lost\" in agent logs: publish %ld, "
 		     "checkpoint %ld, requeue %ld, complete %ld, renew %ld)\n",
 		     ls.lease_lost, ls.lost_publish, ls.lost_checkpoint, ls.lost_requeue,
