@@ -76,7 +76,7 @@ struct ro_progress {
 struct ro_claim {
 	char *id;
 	char *body;
-	char token[24];
+	char token[48]; /* "<counter>-<claim request id>" */
 	uint32_t attempt;
 	uint32_t n;
 	uint32_t n_published;

@@ -211,7 +211,11 @@ local function claim(keys, args)
 			break
 		end
 		if f.state == 'pending' then
-			f.token = tostring((tonumber(f.token) or 0) + 1)
+			-- the token is a counter and this claim's request id: a server that lost
+			-- its last writes (AOF everysec) counts from an older value again, and
+			-- must not hand a token it already gave out to another worker
+			f.token = tostring((tonumber(string.match(f.token or '', '^%d+')) or 0) + 1) ..
+				'-' .. reqid
 			redis.call('HSET', ukey, 'state', 'leased', 'owner', worker, 'claimed_ms', now,
 				'token', f.token, 'exp', now + lease,
 				'hist', hist_append(f.hist, hist_entry(now, 'claim', worker, f.attempt)))

@@ -106,7 +106,8 @@ Test(queue, full_cycle)
 	cr_assert_eq(c[0].attempt, 1);
 	cr_assert_eq(c[0].n, 2);
 	cr_assert_eq(c[0].n_published, 0);
-	cr_assert_str_eq(c[0].token, "1");
+	/* counter 1, then the claim's request id */
+	cr_assert(!strncmp(c[0].token, "1-", 2) && strlen(c[0].token) == 18, "%s", c[0].token);
 	assert_field("u1", "state", "leased");
 	assert_field("u1", "owner", "w1");
 

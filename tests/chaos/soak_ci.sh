@@ -1,6 +1,6 @@
 #!/bin/sh
 # The chaos soak at CI size (make check): three agents, a few dozen units, a dozen faults of
-# the kinds today's daemon survives (tests/chaos/README.md), then the invariant checker.
+# every kind (tests/chaos/README.md), then the invariant checker.
 # RO_CHAOS_SEED pins the schedule; RO_CHAOS_ARGS adds options (e.g. "--kinds all").
 # Exit 77 (skip) when redis-server or python3 is missing, as the other suites need them too.
 set -u
