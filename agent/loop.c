@@ -411,6 +411,8 @@ int ro_loop_run(struct ro_agent *a)
 	if (r < 0)
 		ro_log(LOG_ERR, "event loop: %s", strerror(-r));
 	a->exiting = true;
+	/* from here nobody answers: a probe is refused rather than left hanging */
+	ro_control_close(a);
 	(void)sd_notify(0, "STOPPING=1\nSTATUS=drained");
 	ro_metrics_write(a);
 	if (a->hard_exit) {

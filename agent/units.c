@@ -394,8 +394,10 @@ static void on_claimed(void *arg, struct ro_queue_result *res)
 		ro_log(LOG_NOTICE, "this worker id still holds %zu units: resuming them",
 		       res->n_claims);
 	}
+	/* a claim sent again after a reconnect ran when it was last sent, not first */
 	for (size_t i = 0; i < res->n_claims; i++)
-		admit(a, &res->claims[i], x->sent_ms, x->held);
+		admit(a, &res->claims[i], res->sent_ms > x->sent_ms ? res->sent_ms : x->sent_ms,
+		      x->held);
 	if (!x->held && !res->n_claims)
 		wait_marker(a);
 	free(x);
@@ -921,12 +923,14 @@ static void on_renewed(void *arg, struct ro_queue_result *res)
 			ro_log_limited(&a->log_limit[3], 5000, LOG_WARNING, "renew: %s", res->msg);
 		}
 	} else {
+		int64_t sent = res->sent_ms > x->sent_ms ? res->sent_ms : x->sent_ms;
+
 		a->last_redis_ok_ms = ro_now_ms();
 		for (size_t i = 0; i < x->n; i++) {
 			struct unit_rt *u = x->u[i];
 
 			if (res->ok[i])
-				u->lease_until = x->sent_ms + a->cfg.lease_ms - lease_margin(a);
+				u->lease_until = sent + a->cfg.lease_ms - lease_margin(a);
 			else
 				lease_lost(a, u, "renew refused");
 		}

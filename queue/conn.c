@@ -128,7 +128,7 @@ struct ro_conn *ro_conn_free(struct ro_conn *c)
 
 		c->head = m->next;
 		if (m->fn)
-			m->fn(m->arg, -ECANCELED, NULL, "connection closed");
+			m->fn(m->arg, -ECANCELED, NULL, "connection closed", m->sent_at);
 		cmd_free(m);
 	}
 	free(c->host);
@@ -462,7 +462,7 @@ static void dispatch(struct ro_conn *c, redisReply *rep)
 	}
 	unlink_cmd(c, m);
 	if (m->fn)
-		m->fn(m->arg, 0, rep, NULL);
+		m->fn(m->arg, 0, rep, NULL, m->sent_at);
 	else
 		freeReplyObject(rep);
 	cmd_free(m);
@@ -547,6 +547,7 @@ static void expire(struct ro_conn *c, int64_t now)
 		ro_conn_reply_fn fn = m->fn;
 		void *arg = m->arg;
 		char why[300];
+		int64_t sent;
 		int r;
 
 		next = m->next;
@@ -557,11 +558,12 @@ static void expire(struct ro_conn *c, int64_t now)
 								      : c->last_err;
 		(void)snprintf(why, sizeof(why), "%s", down ? c->err : "redis: no reply in time");
 		m->fn = NULL;
+		sent = m->sent_at;
 		if (!m->sent_at && !(m == c->unsent && c->woff)) {
 			unlink_cmd(c, m);
 			cmd_free(m);
 		}
-		fn(arg, r, NULL, why);
+		fn(arg, r, NULL, why, sent);
 	}
 }
 

@@ -31,8 +31,10 @@ struct ro_conn_opts {
 };
 
 /* A reply (the callback owns it: freeReplyObject) or, with rep NULL, r < 0 and why. Error
- * replies (REDIS_REPLY_ERROR) that are not transient come as replies. */
-typedef void (*ro_conn_reply_fn)(void *arg, int r, redisReply *rep, const char *why);
+ * replies (REDIS_REPLY_ERROR) that are not transient come as replies. sent_ms: when the
+ * command was last written (monotonic; 0 if never): the server ran it after that. */
+typedef void (*ro_conn_reply_fn)(void *arg, int r, redisReply *rep, const char *why,
+				 int64_t sent_ms);
 
 int ro_conn_new(const struct ro_conn_opts *o, struct ro_conn **ret);
 /* Pending callbacks run with -ECANCELED. */

@@ -383,9 +383,12 @@ static void result_clear(struct ro_queue_result *res)
 	memset(res, 0, sizeof(*res));
 }
 
-static void op_reply(void *arg, int r, redisReply *rep, const char *why)
+static void op_reply(void *arg, int r, redisReply *rep, const char *why, int64_t sent_ms)
 {
 	struct op *op = arg;
+
+	if (sent_ms > op->res.sent_ms)
+		op->res.sent_ms = sent_ms;
 
 	if (r) {
 		if (!op->res.r) {

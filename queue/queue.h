@@ -233,6 +233,9 @@ struct ro_queue_result {
 	bool woken;	  /* wait: a wake-up marker was taken */
 	int64_t len, lag; /* backlog */
 	int64_t value;	  /* checkpoint: samples written; fail: 2 dead-lettered, 1 back */
+	/* When (CLOCK_MONOTONIC ms) the command was last written: the server ran it after
+	 * that, so a lease it granted or renewed lasts at least until sent_ms + lease. */
+	int64_t sent_ms;
 };
 typedef void (*ro_queue_done_fn)(void *arg, struct ro_queue_result *res);
 struct ro_queue_cb {
