@@ -765,8 +765,12 @@ static void on_ended(void *arg, struct ro_queue_result *res)
 		}
 		unit_gone(a, u);
 	} else if (res->r == -EBUSY && u->end == END_COMPLETE) {
-		/* INCOMPLETE: Redis counts fewer samples than we published: not a success */
-		u->end = END_DEAD;
+		/* INCOMPLETE: Redis counts fewer samples than we published. Not a success, and
+		 * not surely the unit's fault either: a server that lost its last second of
+		 * writes (AOF everysec) lost our publishes with it. Charged as a failed run: the
+		 * next claim sees what Redis really holds and makes the missing samples again;
+		 * a record that stays inconsistent (a stray sample field) ends dead-lettered. */
+		u->end = END_FAIL;
 		(void)snprintf(u->end_why, sizeof(u->end_why), "complete refused: %s", res->msg);
 		ro_log(LOG_ERR, "unit %s: %s", u->c.id, u->end_why);
 	} else if (res->r == -ESTALE || res->r == -ENOENT) {
