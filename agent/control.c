@@ -88,17 +88,17 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 
 		n = strlen(buf);
 		ro_ep_stats(a->ep, &st);
-		(void)snprintf(buf + n, len - n,
-			       ",\"ep\":{\"group\":\"%s\",\"rank\":%u,\"size\":%u,\"provider\":\"%s\","
-			       "\"failed\":%s,\"exchanges\":%llu,\"low_latency\":%llu,"
-			       "\"dispatch_bytes\":%llu,\"combine_bytes\":%llu,\"dispatch_ms\":%.1f,"
-			       "\"combine_ms\":%.1f,\"sync_ms\":%.1f}",
-			       a->cfg.ep_group, ro_ep_rank(a->ep), ro_ep_world(a->ep),
-			       ro_ep_provider(a->ep), a->ep_failed ? "true" : "false",
-			       (unsigned long long)st.exchanges, (unsigned long long)st.ll_exchanges,
-			       (unsigned long long)st.dispatch_bytes,
-			       (unsigned long long)st.combine_bytes, st.dispatch_ms, st.combine_ms,
-			       st.sync_ms);
+		(void)snprintf(
+		    buf + n, len - n,
+		    ",\"ep\":{\"group\":\"%s\",\"rank\":%u,\"size\":%u,\"provider\":\"%s\","
+		    "\"failed\":%s,\"exchanges\":%llu,\"low_latency\":%llu,"
+		    "\"dispatch_bytes\":%llu,\"combine_bytes\":%llu,\"dispatch_ms\":%.1f,"
+		    "\"combine_ms\":%.1f,\"sync_ms\":%.1f}",
+		    a->cfg.ep_group, ro_ep_rank(a->ep), ro_ep_world(a->ep), ro_ep_provider(a->ep),
+		    a->ep_failed ? "true" : "false", (unsigned long long)st.exchanges,
+		    (unsigned long long)st.ll_exchanges, (unsigned long long)st.dispatch_bytes,
+		    (unsigned long long)st.combine_bytes, st.dispatch_ms, st.combine_ms,
+		    st.sync_ms);
 	}
 	n = strlen(buf);
 	(void)snprintf(buf + n, len - n, "}\n");
@@ -136,8 +136,9 @@ static void command(struct client *c, const char *line)
 		if (line[5]) {
 			s = strtod(line + 6, &end);
 			if (end == line + 6 || *end || !(s >= 0) || s > 86400) {
-				(void)snprintf(rep, sizeof(rep),
-					       "{\"error\":\"drain wants seconds from 0 to 86400\"}\n");
+				(void)snprintf(
+				    rep, sizeof(rep),
+				    "{\"error\":\"drain wants seconds from 0 to 86400\"}\n");
 				goto out;
 			}
 		}

@@ -81,7 +81,8 @@ void ro_drain_triage(struct ro_agent *a)
 		if (u->cp != CP_HELD)
 			continue;
 		for (uint32_t i = 0; i < u->n_s; i++)
-			if (u->s[i] && !u->s[i]->finished && u->u.max_new_tokens - u->s[i]->len > rest)
+			if (u->s[i] && !u->s[i]->finished &&
+			    u->u.max_new_tokens - u->s[i]->len > rest)
 				rest = u->u.max_new_tokens - u->s[i]->len;
 		/* a unit still in prefill has all of its tokens ahead of it */
 		if (u->phase < 2)

@@ -230,8 +230,7 @@ static void plan(struct ro_agent *a, struct step *st)
 				if (j->n > budget)
 					j->n = budget;
 				budget -= j->n;
-			} else if (s->ready &&
-				   s->len - s->ckpt_len < a->cfg.checkpoint_tokens) {
+			} else if (s->ready && s->len - s->ckpt_len < a->cfg.checkpoint_tokens) {
 				/* a sample at checkpoint-tokens past its confirmed checkpoint
 				 * waits for it: a kill never loses more than that */
 				j = job_add(st);
@@ -282,7 +281,8 @@ static void build(struct ro_agent *a, struct step *st)
 						 u->u.seed};
 			struct sample_rt *s = j->s;
 
-			j->tok = ro_sample(s->logits, a->vocab, &sp, u->key, s->idx, s->len, &j->lp);
+			j->tok =
+			    ro_sample(s->logits, a->vocab, &sp, u->key, s->idx, s->len, &j->lp);
 			j->stop = is_stop(&u->u, j->tok);
 			if (j->stop || s->len + 1 >= u->u.max_new_tokens) {
 				j->kind = J_FINISH; /* its last token: nothing to run */
@@ -335,7 +335,8 @@ static void isolate(struct ro_agent *a, struct step *st, int r)
 		rr = ro_agent_forward(a, one, n);
 		for (size_t m = 0; m < n; m++) {
 			if (rr)
-				ro_seq_truncate(job_seq(&st->jobs[idx[m]]), st->jobs[idx[m]].seq_len);
+				ro_seq_truncate(job_seq(&st->jobs[idx[m]]),
+						st->jobs[idx[m]].seq_len);
 			st->jobs[idx[m]].r = rr ? rr : 1; /* 1: done, ran alone */
 		}
 	}
@@ -494,14 +495,15 @@ static void *engine_main(void *arg)
 				ms = 0.01;
 			a->step_ms = a->step_ms > 0 ? 0.8 * a->step_ms + 0.2 * ms : ms;
 			if (decoded)
-				a->tokens_per_s = a->tokens_per_s > 0
-						      ? 0.8 * a->tokens_per_s + 0.2 * decoded * 1000.0 / ms
-						      : decoded * 1000.0 / ms;
+				a->tokens_per_s =
+				    a->tokens_per_s > 0
+					? 0.8 * a->tokens_per_s + 0.2 * decoded * 1000.0 / ms
+					: decoded * 1000.0 / ms;
 			if (prefilled)
-				a->prefill_tokens_per_s =
-				    a->prefill_tokens_per_s > 0
-					? 0.8 * a->prefill_tokens_per_s + 0.2 * prefilled * 1000.0 / ms
-					: prefilled * 1000.0 / ms;
+				a->prefill_tokens_per_s = a->prefill_tokens_per_s > 0
+							      ? 0.8 * a->prefill_tokens_per_s +
+								    0.2 * prefilled * 1000.0 / ms
+							      : prefilled * 1000.0 / ms;
 		}
 		a->steps++;
 		a->engine_beat_ms = ro_now_ms();

@@ -242,8 +242,8 @@ void ro_loop_arm_deadlines(struct ro_agent *a)
 	 * deadline: keep a quarter second of the margin for it */
 	int64_t reserve = a->cfg.drain_margin_ms / 2 < 250 ? a->cfg.drain_margin_ms / 2 : 250;
 	uint64_t d = a->deadline_wall_ms > 0 ? (uint64_t)a->deadline_wall_ms * 1000 : 1;
-	uint64_t h = a->hard_wall_ms - reserve > 0 ? (uint64_t)(a->hard_wall_ms - reserve) * 1000
-						   : 1;
+	uint64_t h =
+	    a->hard_wall_ms - reserve > 0 ? (uint64_t)(a->hard_wall_ms - reserve) * 1000 : 1;
 
 	if (!a->ev)
 		return;
@@ -275,7 +275,8 @@ static int on_tick(sd_event_source *s, uint64_t usec, void *userdata)
 			if (up)
 				ro_log(LOG_NOTICE, "redis: connected");
 			else
-				ro_log(LOG_WARNING, "redis: unreachable (%s); operations wait for it",
+				ro_log(LOG_WARNING,
+				       "redis: unreachable (%s); operations wait for it",
 				       ro_queue_conn_errmsg(a->q));
 			a->redis_was_up = up;
 		}
@@ -356,8 +357,7 @@ static void flush(struct ro_agent *a, int64_t until_ms)
 
 int ro_loop_run(struct ro_agent *a)
 {
-	sd_event_source *sig_term = NULL, *sig_int = NULL, *imds = NULL, *tick = NULL,
-			*post = NULL;
+	sd_event_source *sig_term = NULL, *sig_int = NULL, *imds = NULL, *tick = NULL, *post = NULL;
 	uint64_t now;
 	int r;
 
@@ -373,8 +373,8 @@ int ro_loop_run(struct ro_agent *a)
 	if ((r = sd_event_add_signal(a->ev, &sig_term, SIGTERM, on_signal, a)) < 0 ||
 	    (r = sd_event_add_signal(a->ev, &sig_int, SIGINT, on_signal, a)) < 0 ||
 	    (r = sd_event_add_io(a->ev, &a->efd_src, a->efd, EPOLLIN, on_engine, a)) < 0 ||
-	    (r = sd_event_add_time(a->ev, &tick, CLOCK_MONOTONIC, now, TICK_MS * 100, on_tick,
-				   a)) < 0 ||
+	    (r = sd_event_add_time(a->ev, &tick, CLOCK_MONOTONIC, now, TICK_MS * 100, on_tick, a)) <
+		0 ||
 	    (r = sd_event_add_post(a->ev, &post, on_post, a)) < 0) {
 		ro_log(LOG_ERR, "sd-event: %s", strerror(-r));
 		goto out;
@@ -420,7 +420,8 @@ int ro_loop_run(struct ro_agent *a)
 		 * away; the socket goes, the process exits now (its leases expire) */
 		if (a->cfg.control_socket && *a->cfg.control_socket)
 			(void)unlink(a->cfg.control_socket);
-		ro_log(LOG_INFO, "exiting at the hard deadline: %llu units completed, %llu requeued",
+		ro_log(LOG_INFO,
+		       "exiting at the hard deadline: %llu units completed, %llu requeued",
 		       (unsigned long long)a->n.completed, (unsigned long long)a->n.requeued);
 		_exit(a->rc);
 	}

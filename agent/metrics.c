@@ -33,9 +33,10 @@ void ro_metrics_write(struct ro_agent *a)
 	f = fopen(tmp, "w");
 	if (!f)
 		return;
-#define M(type, name, help, fmt, v)                                                               \
-	(void)fprintf(f, "# HELP rolloutd_" name " " help "\n# TYPE rolloutd_" name " " type      \
-			 "\nrolloutd_" name "{worker=\"%s\"} " fmt "\n",                          \
+#define M(type, name, help, fmt, v)                                                       \
+	(void)fprintf(f,                                                                  \
+		      "# HELP rolloutd_" name " " help "\n# TYPE rolloutd_" name " " type \
+		      "\nrolloutd_" name "{worker=\"%s\"} " fmt "\n",                     \
 		      a->worker, v)
 #define C(name, help, v) M("counter", name, help, "%llu", (unsigned long long)(v))
 #define G(name, help, fmt, v) M("gauge", name, help, fmt, v)
@@ -44,7 +45,8 @@ void ro_metrics_write(struct ro_agent *a)
 	C("units_requeued_total", "Units requeued (drain).", a->n.requeued);
 	C("units_dead_lettered_total", "Units dead-lettered by this worker.", a->n.dead);
 	C("units_released_total", "Units released (policy too old here).", a->n.released);
-	C("units_failed_total", "Units this worker could not run (an attempt charged).", a->n.failed);
+	C("units_failed_total", "Units this worker could not run (an attempt charged).",
+	  a->n.failed);
 	C("samples_published_total", "Samples published.", a->n.published);
 	C("tokens_generated_total", "Tokens generated.", tokens);
 	C("checkpoints_total", "Sample checkpoints written.", a->n.checkpoints);
@@ -107,11 +109,11 @@ void ro_notify_status(struct ro_agent *a)
 	tps = a->tokens_per_s;
 	pthread_mutex_unlock(&a->mu);
 	if (a->state == RO_RUNNING)
-		(void)snprintf(s, sizeof(s), "STATUS=running: %u units, %u sequences, %.0f tok/s%s%s%s",
-			       held, active, tps,
-			       a->backpressure ? ", backpressure (trainer behind)" : "",
-			       a->stop_claiming ? ", not claiming (rebalance)" : "",
-			       ro_queue_connected(a->q) ? "" : ", redis unreachable");
+		(void)snprintf(
+		    s, sizeof(s), "STATUS=running: %u units, %u sequences, %.0f tok/s%s%s%s", held,
+		    active, tps, a->backpressure ? ", backpressure (trainer behind)" : "",
+		    a->stop_claiming ? ", not claiming (rebalance)" : "",
+		    ro_queue_connected(a->q) ? "" : ", redis unreachable");
 	else
 		(void)snprintf(s, sizeof(s), "STATUS=%s (%s): %u units, deadline in %.1f s",
 			       ro_state_name(a->state), a->drain_reason, held,
@@ -133,8 +135,8 @@ static void on_heartbeat(void *arg, struct ro_queue_result *res)
 void ro_heartbeat(struct ro_agent *a)
 {
 	char units[16], act[16], tps[32], comp[24];
-	const char *kv[] = {"state", ro_state_name(a->state), "units", units, "in_flight", act,
-			    "tokens_per_s", tps, "completed", comp};
+	const char *kv[] = {"state", ro_state_name(a->state), "units", units,	    "in_flight",
+			    act,     "tokens_per_s",	      tps,     "completed", comp};
 	struct ro_queue_cb cb = {on_heartbeat, a, a->cfg.status_interval_ms};
 	uint32_t held = 0;
 

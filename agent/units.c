@@ -139,8 +139,8 @@ static void back_off(struct ro_agent *a, struct unit_rt *u, const char *what, co
 	a->n.redis_errors++;
 	u->backoff_ms = u->backoff_ms ? (u->backoff_ms * 2 > 5000 ? 5000 : u->backoff_ms * 2) : 100;
 	u->retry_at = ro_now_ms() + u->backoff_ms / 2 + (int64_t)(random() % (u->backoff_ms + 1));
-	ro_log_limited(&a->log_limit[0], 5000, LOG_WARNING, "unit %s: %s: %s (will retry)",
-		       u->c.id, what, msg && *msg ? msg : "failed");
+	ro_log_limited(&a->log_limit[0], 5000, LOG_WARNING, "unit %s: %s: %s (will retry)", u->c.id,
+		       what, msg && *msg ? msg : "failed");
 }
 
 /* ---- claiming ---------------------------------------------------------------------------- */
@@ -252,7 +252,8 @@ static bool unit_fits(struct ro_agent *a, struct unit_rt *u, char *why, size_t l
 	}
 	for (uint32_t i = 0; i < u->u.prompt_len; i++)
 		if ((uint32_t)u->u.prompt[i] >= a->vocab) {
-			(void)snprintf(why, len, "prompt token %d is outside the model's vocab (%u)",
+			(void)snprintf(why, len,
+				       "prompt token %d is outside the model's vocab (%u)",
 				       u->u.prompt[i], a->vocab);
 			return false;
 		}
@@ -328,18 +329,21 @@ static void admit(struct ro_agent *a, struct ro_claim *c, int64_t sent_ms, bool 
 	} else if (u->u.min_policy_version > a->cfg.policy_version) {
 		/* needs newer weights than ours: back to the queue for a worker that has
 		 * them; we look again in a while */
-		ro_log(LOG_NOTICE, "unit %s needs policy version %lld, this worker has %lld: released",
-		       u->c.id, (long long)u->u.min_policy_version, (long long)a->cfg.policy_version);
+		ro_log(LOG_NOTICE,
+		       "unit %s needs policy version %lld, this worker has %lld: released", u->c.id,
+		       (long long)u->u.min_policy_version, (long long)a->cfg.policy_version);
 		a->defer_until_ms = ro_now_ms() + 1000;
 		end = END_RELEASE;
 	} else if ((r = samples_owed(a, u))) {
-		(void)snprintf(why, sizeof(why), "could not start on this worker: %s", strerror(-r));
+		(void)snprintf(why, sizeof(why), "could not start on this worker: %s",
+			       strerror(-r));
 		end = END_FAIL;
 	} else if ((need = ro_engine_unit_bytes(a, &u->u, u->n_s)) > (avail = room(a))) {
-		(void)snprintf(why, sizeof(why),
-			       "needs %.1f MiB for %u samples of %u + %u tokens, %.1f MiB available",
-			       need / 1048576.0, u->n_s, u->u.prompt_len, u->u.max_new_tokens,
-			       avail / 1048576.0);
+		(void)snprintf(
+		    why, sizeof(why),
+		    "needs %.1f MiB for %u samples of %u + %u tokens, %.1f MiB available",
+		    need / 1048576.0, u->n_s, u->u.prompt_len, u->u.max_new_tokens,
+		    avail / 1048576.0);
 		end = END_FAIL;
 	} else if (!u->n_s) {
 		end = END_COMPLETE; /* everything was published: only the completion was missing */
@@ -382,7 +386,8 @@ static void on_claimed(void *arg, struct ro_queue_result *res)
 		if (res->r != -ECANCELED) {
 			a->n.redis_errors++;
 			ro_log_limited(&a->log_limit[1], 5000, LOG_WARNING, "%s: %s (%s)",
-				       x->held ? "held units" : "claim", strerror(-res->r), res->msg);
+				       x->held ? "held units" : "claim", strerror(-res->r),
+				       res->msg);
 		}
 		a->next_claim_ms = ro_now_ms() + 1000;
 		free(x);
@@ -520,8 +525,7 @@ static uint32_t samples_left(const struct unit_rt *u)
 }
 
 /* Non-transient refusals of a holder's write: the unit cannot be completed as it stands. */
-static void refused(struct ro_agent *a, struct unit_rt *u, int r, const char *what,
-		    const char *msg)
+static void refused(struct ro_agent *a, struct unit_rt *u, int r, const char *what, const char *msg)
 {
 	char why[300];
 
@@ -606,10 +610,11 @@ static void publish(struct ro_agent *a, struct unit_rt *u)
 		}
 		s->in_publish = true;
 		x->idx[x->k] = s->idx;
-		smp[x->k++] = (struct ro_sample){s->idx,	       s->tok,
-						 s->lp,		       s->len,
-						 s->finish,	       a->cfg.policy_version,
-						 s->resumed_from, (uint64_t)(ro_now_ms() - s->start_ms)};
+		smp[x->k++] =
+		    (struct ro_sample){s->idx,		s->tok,
+				       s->lp,		s->len,
+				       s->finish,	a->cfg.policy_version,
+				       s->resumed_from, (uint64_t)(ro_now_ms() - s->start_ms)};
 	}
 	cb = (struct ro_queue_cb){on_published, x, a->cfg.redis_timeout_ms * 3};
 	if (!x->k || ro_queue_publish_async(a->q, &u->c, smp, x->k, left == 0, &cb)) {
@@ -651,7 +656,8 @@ static void on_checkpointed(void *arg, struct ro_queue_result *res)
 		/* the next one is due soon anyway; meanwhile its samples wait at the bound */
 		a->n.redis_errors++;
 		ro_log_limited(&a->log_limit[5], 5000, LOG_WARNING,
-			       "unit %s: checkpoint: %s (its samples wait for it)", u->c.id, res->msg);
+			       "unit %s: checkpoint: %s (its samples wait for it)", u->c.id,
+			       res->msg);
 	} else if (res->r != -ECANCELED) {
 		refused(a, u, res->r, "checkpoint", res->msg);
 	}
@@ -659,8 +665,8 @@ static void on_checkpointed(void *arg, struct ro_queue_result *res)
 }
 
 /* The progress of u's unfinished samples (all, or only those due); under mu. */
-static uint32_t progress_of_unit(const struct ro_agent *a, struct unit_rt *u,
-				 struct ro_progress *p, struct op_ctx *x, bool only_due, int64_t now)
+static uint32_t progress_of_unit(const struct ro_agent *a, struct unit_rt *u, struct ro_progress *p,
+				 struct op_ctx *x, bool only_due, int64_t now)
 {
 	uint32_t k = 0;
 
@@ -672,8 +678,8 @@ static uint32_t progress_of_unit(const struct ro_agent *a, struct unit_rt *u,
 		if (only_due && s->len - s->ckpt_len < a->cfg.checkpoint_tokens &&
 		    now - s->ckpt_at < (int64_t)a->cfg.checkpoint_ms)
 			continue;
-		p[k] = (struct ro_progress){s->idx, s->len, s->tok, s->lp, s->len,
-					    a->cfg.policy_version};
+		p[k] = (struct ro_progress){s->idx, s->len, s->tok,
+					    s->lp,  s->len, a->cfg.policy_version};
 		if (x) {
 			x->idx[k] = s->idx;
 			x->len[k] = s->len;
@@ -709,12 +715,18 @@ static void checkpoint(struct ro_agent *a, struct unit_rt *u, int64_t now)
 static const char *end_name(enum unit_end e)
 {
 	switch (e) {
-	case END_COMPLETE: return "complete";
-	case END_REQUEUE: return "requeue";
-	case END_FAIL: return "fail";
-	case END_DEAD: return "dead-letter";
-	case END_RELEASE: return "release";
-	default: return "end";
+	case END_COMPLETE:
+		return "complete";
+	case END_REQUEUE:
+		return "requeue";
+	case END_FAIL:
+		return "fail";
+	case END_DEAD:
+		return "dead-letter";
+	case END_RELEASE:
+		return "release";
+	default:
+		return "end";
 	}
 }
 
@@ -747,10 +759,11 @@ static void on_ended(void *arg, struct ro_queue_result *res)
 				ro_log(LOG_WARNING, "unit %s dead-lettered: %s (its last attempt)",
 				       u->c.id, u->end_why);
 			} else {
-				ro_log(LOG_WARNING,
-				       "unit %s cannot run on this worker (%s): attempt charged, back "
-				       "in the queue",
-				       u->c.id, u->end_why);
+				ro_log(
+				    LOG_WARNING,
+				    "unit %s cannot run on this worker (%s): attempt charged, back "
+				    "in the queue",
+				    u->c.id, u->end_why);
 			}
 			break;
 		case END_DEAD:

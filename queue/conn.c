@@ -221,7 +221,7 @@ static void unlink_cmd(struct ro_conn *c, struct cmd *m)
 /* The connection is gone: internal and abandoned commands go, the rest wait (in order) to
  * be sent again on the next connection. */
 __attribute__((format(printf, 4, 5))) static void conn_fail(struct ro_conn *c, int r, bool at_once,
-						       const char *fmt, ...)
+							    const char *fmt, ...)
 {
 	int64_t now = mono_ms();
 	va_list ap;
@@ -253,7 +253,8 @@ __attribute__((format(printf, 4, 5))) static void conn_fail(struct ro_conn *c, i
 	if (at_once) {
 		c->next_try = now;
 	} else {
-		/* full jitter in [backoff/2, backoff*3/2) keeps a fleet from reconnecting in step */
+		/* full jitter in [backoff/2, backoff*3/2) keeps a fleet from reconnecting in step
+		 */
 		c->next_try = now + c->backoff / 2 + (int64_t)(rng_next(c) % (uint64_t)c->backoff);
 		if (c->backoff < 1000)
 			c->backoff *= 2;
@@ -315,7 +316,8 @@ static void start_handshake(struct ro_conn *c)
 			push_internal(c, &t, K_LOAD, 4,
 				      (const char *[]){"FUNCTION", "LOAD", "REPLACE", c->library});
 		else
-			push_internal(c, &t, K_VERSION, 3, (const char *[]){"FCALL", "ro_version", "0"});
+			push_internal(c, &t, K_VERSION, 3,
+				      (const char *[]){"FCALL", "ro_version", "0"});
 	}
 	if (!t)
 		c->st = S_READY;
@@ -553,9 +555,9 @@ static void expire(struct ro_conn *c, int64_t now)
 		next = m->next;
 		if (m->kind != K_USER || !fn || m->deadline > now)
 			continue;
-		r = !down ? -ETIMEDOUT
+		r = !down					       ? -ETIMEDOUT
 		    : c->last_err == -EAGAIN || c->last_err == -EPROTO ? -EIO
-								      : c->last_err;
+								       : c->last_err;
 		(void)snprintf(why, sizeof(why), "%s", down ? c->err : "redis: no reply in time");
 		m->fn = NULL;
 		sent = m->sent_at;
