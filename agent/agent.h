@@ -129,6 +129,7 @@ struct ro_agent {
 	bool exiting;
 	bool hard_exit; /* the hard deadline ended the drain */
 	bool redis_was_up;
+	uint64_t published_since_backlog; /* samples published since the lag was asked */
 	int64_t next_claim_ms, defer_until_ms, next_renew_ms, next_backlog_ms, next_status_ms,
 	    next_metrics_ms, next_extend_ms, last_redis_ok_ms;
 	int64_t drain_start_ms;

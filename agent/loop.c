@@ -285,7 +285,7 @@ static int on_tick(sd_event_source *s, uint64_t usec, void *userdata)
 		ro_units_renew(a);
 		a->next_renew_ms = now + a->cfg.lease_ms / 3;
 	}
-	if (now >= a->next_backlog_ms) {
+	if (now >= a->next_backlog_ms && !a->backlog_busy) {
 		ro_units_backlog(a);
 		a->next_backlog_ms = now + 1000;
 	}

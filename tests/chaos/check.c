@@ -12,7 +12,7 @@
  *           the same tokens, the same logprobs text (the daemon writes each float with %.9g,
  *           which round-trips float32; we format our reference the same way) and the same
  *           finish. The reference runs in this process through kernels/model.h, decoding
- *           exactly as agent/worker.c does (prefill the prompt, fork it per sample, sample
+ *           exactly as agent/engine.c does (prefill the prompt, fork it per sample, sample
  *           position by position with ro_sample_key(unit id), forward each token).
  *   fencing each sample's (worker, attempt) is the holder of the lease at the time the
  *           stream entry was written: the last claim in the unit's history before the
@@ -529,10 +529,9 @@ static bool is_stop(const struct ro_unit *u, int32_t t)
 	return false;
 }
 
-/* One unit's fault-free run in progress: agent/worker.c's unit_start() (prefill the prompt
- * once, fork it per sample) and ro_worker_step() (sample each position with the unit's key,
- * the sample index and the position; stop on a stop token or max_new_tokens; else forward
- * the token). Units share the forward batches: each token's result does not depend on the
+/* One unit's fault-free run in progress, as agent/engine.c runs it: prefill the prompt
+ * once, fork it per sample, then sample each position with the unit's key, the sample
+ * index and the position; stop on a stop token or max_new_tokens; else forward the token. Units share the forward batches: each token's result does not depend on the
  * batch (kernels/model.h), which is what lets the agents batch them in the first place. */
 struct job {
 	struct unit *un;
