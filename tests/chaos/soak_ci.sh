@@ -6,6 +6,9 @@
 set -u
 b=${RO_BUILDDIR:-$(pwd)}
 command -v python3 >/dev/null 2>&1 || { echo "soak_ci: no python3 (mock IMDS)"; exit 77; }
-seed=${RO_CHAOS_SEED:+--seed $RO_CHAOS_SEED}
+# a fixed schedule by default: CI must not turn red on a seed nobody can name again (the
+# long soak, by hand, is where fresh seeds go); RO_CHAOS_SEED=random draws one
+seed="--seed ${RO_CHAOS_SEED:-20261207}"
+[ "${RO_CHAOS_SEED:-}" = random ] && seed=""
 # shellcheck disable=SC2086
 exec "$b/tests/chaos/chaos" --check "$b/tests/chaos/check" $seed ${RO_CHAOS_ARGS:-}
