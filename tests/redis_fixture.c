@@ -15,6 +15,8 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -47,25 +49,28 @@ static int spawn(struct ro_test_redis *r)
 	if (pid < 0)
 		return -errno;
 	if (pid == 0) {
-		char log[128];
 		const char *server = getenv("RO_REDIS_SERVER");
 
 		(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
 		if (getppid() != parent)
 			_exit(1);
-		(void)snprintf(log, sizeof(log), "%s/redis.log", r->dir);
 		if (!server || !*server)
 			server = RO_REDIS_SERVER[0] ? RO_REDIS_SERVER : "redis-server";
+		/* growing_aof: no RDB snapshots and no AOF rewrites, so the append-only file
+		 * only grows and a simulated power loss can cut it back to an earlier length */
 		execlp(server, server, "--port", port, "--bind", "127.0.0.1", "--dir", r->dir,
 		       "--unixsocket", r->sock, "--unixsocketperm", "700", "--save", "",
-		       "--appendonly", r->aof ? "yes" : "no", "--appendfsync", "always",
-		       "--daemonize", "no", "--logfile", log, "--protected-mode", "yes",
-		       "--databases", "4", (char *)NULL);
+		       "--appendonly", r->aof ? "yes" : "no", "--appendfsync",
+		       r->everysec ? "everysec" : "always", "--auto-aof-rewrite-percentage",
+		       r->growing_aof ? "0" : "100", "--aof-load-truncated", "yes", "--daemonize",
+		       "no", "--logfile", r->log, "--protected-mode", "yes", "--databases", "4",
+		       (char *)NULL);
 		_exit(127);
 	}
 	r->pid = pid;
-	/* ready when it answers PING; a taken port shows as an early exit */
-	for (int i = 0; i < 500; i++) {
+	/* ready when it answers PING (not LOADING: an AOF replay may take a while); a taken
+	 * port shows as an early exit */
+	for (int i = 0; i < 1500; i++) {
 		redisContext *c;
 		int st;
 
@@ -73,9 +78,12 @@ static int spawn(struct ro_test_redis *r)
 			r->pid = 0;
 			return -EADDRINUSE;
 		}
-		c = redisConnect("127.0.0.1", r->port);
+		c = redisConnectWithTimeout("127.0.0.1", r->port, (struct timeval){0, 200000});
 		if (c && !c->err) {
-			redisReply *rep = redisCommand(c, "PING");
+			redisReply *rep;
+
+			(void)redisSetTimeout(c, (struct timeval){0, 500000});
+			rep = redisCommand(c, "PING");
 			bool ok =
 			    rep && rep->type == REDIS_REPLY_STATUS && !strcmp(rep->str, "PONG");
 
@@ -92,17 +100,29 @@ static int spawn(struct ro_test_redis *r)
 	return -ETIMEDOUT;
 }
 
-int ro_test_redis_start(struct ro_test_redis *r, bool aof)
+int ro_test_redis_start_opts(struct ro_test_redis *r, const struct ro_test_redis_opts *o)
 {
 	int ret = -EADDRINUSE;
 
 	memset(r, 0, sizeof(*r));
-	r->aof = aof;
-	(void)snprintf(r->dir, sizeof(r->dir), "/tmp/ro-redis-XXXXXX");
-	if (!mkdtemp(r->dir)) {
-		(void)fprintf(stderr, "fixture: mkdtemp: %s\n", strerror(errno));
-		return -errno;
+	r->aof = o->aof;
+	r->everysec = o->everysec;
+	r->growing_aof = o->growing_aof;
+	if (o->dir) {
+		r->keep_dir = true;
+		(void)snprintf(r->dir, sizeof(r->dir), "%s", o->dir);
+		if (mkdir(r->dir, 0700) && errno != EEXIST)
+			return -errno;
+	} else {
+		(void)snprintf(r->dir, sizeof(r->dir), "/tmp/ro-redis-XXXXXX");
+		if (!mkdtemp(r->dir)) {
+			(void)fprintf(stderr, "fixture: mkdtemp: %s\n", strerror(errno));
+			return -errno;
+		}
 	}
+	(void)snprintf(r->log, sizeof(r->log), "%s/redis.log", r->dir);
+	if (strlen(r->dir) + sizeof("/redis.sock") > sizeof(((struct sockaddr_un *)0)->sun_path))
+		return -ENAMETOOLONG; /* the unix socket's path would not fit */
 	(void)snprintf(r->sock, sizeof(r->sock), "%s/redis.sock", r->dir);
 	for (int tries = 0; tries < 8 && ret == -EADDRINUSE; tries++) {
 		r->port = free_port();
@@ -119,10 +139,16 @@ int ro_test_redis_start(struct ro_test_redis *r, bool aof)
 	return 0;
 }
 
+int ro_test_redis_start(struct ro_test_redis *r, bool aof)
+{
+	return ro_test_redis_start_opts(r, &(struct ro_test_redis_opts){.aof = aof});
+}
+
 static void reap_child(struct ro_test_redis *r, int sig)
 {
 	if (r->pid <= 0)
 		return;
+	(void)kill(r->pid, SIGCONT); /* a SIGSTOPped server cannot act on SIGTERM */
 	(void)kill(r->pid, sig);
 	for (int i = 0; i < 500; i++) {
 		if (waitpid(r->pid, NULL, WNOHANG) == r->pid) {
@@ -158,7 +184,7 @@ static int rm_entry(const char *path, const struct stat *sb, int flag, struct FT
 void ro_test_redis_stop(struct ro_test_redis *r)
 {
 	reap_child(r, SIGTERM);
-	if (r->dir[0])
+	if (r->dir[0] && !r->keep_dir)
 		(void)nftw(r->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 	r->dir[0] = '\0';
 }

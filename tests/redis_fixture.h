@@ -13,16 +13,28 @@ struct ro_test_redis {
 	pid_t pid;
 	int port;
 	bool aof;
-	char dir[64];
+	bool everysec;	  /* appendfsync everysec (else always) */
+	bool growing_aof; /* no AOF rewrites, a truncated AOF loaded: a test may cut it back */
+	bool keep_dir;	  /* the caller's directory: left in place by stop */
+	char dir[200];
 	char url[96];
-	char sock[128];
+	char sock[256];
+	char log[240];
+};
+
+struct ro_test_redis_opts {
+	bool aof, everysec, growing_aof;
+	const char *dir; /* created if missing and kept; NULL: a new temporary one, removed */
 };
 
 int ro_test_redis_start(struct ro_test_redis *r, bool aof);
-/* SIGKILL, keeping the data directory (for a restart). */
+int ro_test_redis_start_opts(struct ro_test_redis *r, const struct ro_test_redis_opts *o);
+/* SIGKILL (a stopped server is continued first), keeping the data directory. */
 void ro_test_redis_kill(struct ro_test_redis *r);
-/* Start again on the same port and directory (AOF replayed). */
+/* Start again (killing it first if it runs) on the same port and directory (AOF
+ * replayed); waits, bounded, until it answers PING. */
 int ro_test_redis_restart(struct ro_test_redis *r);
+/* SIGTERM (then SIGKILL), and the directory removed unless it is the caller's. */
 void ro_test_redis_stop(struct ro_test_redis *r);
 
 redisContext *ro_test_redis_connect(const char *url);

@@ -30,6 +30,7 @@
 #include "kernels/model.h"
 #include "queue/queue.h"
 #include "tests/chaos/chaos.h"
+#include "tests/redis_fixture.h"
 #include "tests/mock_fixture.h"
 #include "tests/testutil.h"
 
@@ -105,7 +106,7 @@ static struct run {
 	struct opts o;
 	char dir[128], model[160], queue[64];
 	FILE *rec;
-	struct ch_redis redis;
+	struct ro_test_redis redis;
 	enum redis_state rs;
 	int64_t rs_until, rs_drain_at; /* mono */
 	int64_t rs_up_since;	       /* a redis fault waits for Redis to be up a while */
@@ -1267,11 +1268,11 @@ static bool fire(struct fault *f, struct ch_rng *g)
 	case CH_REDIS_RESTART: {
 		long long lost;
 
-		ch_redis_kill(&R.redis);
+		ro_test_redis_kill(&R.redis);
 		lost = power_loss();
 		rec("redis event=crash at=%lld lost_bytes=%lld fault=%d", (long long)wall(), lost,
 		    f->id);
-		if (ch_redis_spawn(&R.redis))
+		if (ro_test_redis_restart(&R.redis))
 			die("redis-server did not restart (see %s)", R.redis.log);
 		rec("redis event=up at=%lld fault=%d", (long long)wall(), f->id);
 		R.rs_up_since = mono();
@@ -1292,7 +1293,7 @@ static bool fire(struct fault *f, struct ch_rng *g)
 	case CH_REDIS_DOWN: {
 		long long lost;
 
-		ch_redis_kill(&R.redis);
+		ro_test_redis_kill(&R.redis);
 		lost = power_loss();
 		R.rs = RS_DOWN;
 		R.rs_until = mono() + f->dur_ms;
@@ -1417,7 +1418,7 @@ static void timers(void)
 		R.rs_up_since = R.last_change = now;
 	}
 	if (R.rs == RS_DOWN && now >= R.rs_until) {
-		if (ch_redis_spawn(&R.redis))
+		if (ro_test_redis_restart(&R.redis))
 			die("redis-server did not restart (see %s)", R.redis.log);
 		rec("redis event=up at=%lld fault=%d", (long long)wall(), R.rs_fault);
 		say("redis up again");
@@ -1540,7 +1541,11 @@ int main(int argc, char **argv)
 		die("model: %s", err);
 	/* redis */
 	(void)snprintf(rdir, sizeof(rdir), "%s/redis", R.dir);
-	if (ch_redis_start(&R.redis, rdir, R.o.everysec))
+	if (ro_test_redis_start_opts(&R.redis, &(struct ro_test_redis_opts){
+						   .aof = true,
+						   .everysec = R.o.everysec,
+						   .growing_aof = true,
+						   .dir = rdir}))
 		die("redis-server did not start (see %s)", R.redis.log);
 	{
 		char kinds[512] = "", poisons[256] = "", opts[1024] = "";
@@ -1652,7 +1657,7 @@ int main(int argc, char **argv)
 	    R.total, R.samples);
 	if (R.rs == RS_PAUSED)
 		(void)kill(R.redis.pid, SIGCONT);
-	if (R.rs == RS_DOWN && ch_redis_spawn(&R.redis))
+	if (R.rs == RS_DOWN && ro_test_redis_restart(&R.redis))
 		die("redis-server did not restart (see %s)", R.redis.log);
 	if (R.rs != RS_UP)
 		rec("redis event=%s at=%lld fault=%d", R.rs == RS_PAUSED ? "cont" : "up",
@@ -1674,7 +1679,7 @@ int main(int argc, char **argv)
 	(void)printf("chaos: work over (%s) after %.1f s; checking\n", end_reason,
 		     (mono() - R.start) / 1000.0);
 	rc = run_check();
-	ch_redis_stop(&R.redis);
+	ro_test_redis_stop(&R.redis);
 	if (rc == 0 && !R.o.keep) {
 		char cmd_rm[300];
 

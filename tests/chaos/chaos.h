@@ -56,25 +56,11 @@ const char *ch_poison_expect(int variant);
 struct ro_make_model_opts;
 void ch_model_opts(struct ro_make_model_opts *o);
 
-/* ---- a private redis-server ------------------------------------------------------------- */
+/* ---- the private redis-server: tests/redis_fixture.h's, with a growing AOF ------------ */
 
-struct ch_redis {
-	pid_t pid;
-	int port;
-	bool everysec; /* appendfsync everysec (else always) */
-	char dir[200];
-	char url[96];
-	char log[240];
-};
-
-/* Start on a free loopback port with its data in dir (created). */
-int ch_redis_start(struct ch_redis *r, const char *dir, bool everysec);
-/* Start again on r->port and r->dir (the AOF is replayed); waits (bounded) for PING. */
-int ch_redis_spawn(struct ch_redis *r);
-void ch_redis_kill(struct ch_redis *r); /* SIGKILL and reap (SIGCONT first if stopped) */
-void ch_redis_stop(struct ch_redis *r); /* SIGTERM, then SIGKILL */
+struct ro_test_redis;
 /* The AOF file redis appends to now (Redis 7: the manifest's last incr file). */
-int ch_aof_incr_path(const struct ch_redis *r, char *buf, size_t len);
+int ch_aof_incr_path(const struct ro_test_redis *r, char *buf, size_t len);
 long long ch_file_size(const char *path);
 
 /* ---- seeded generator (splitmix64): the same seed gives the same schedule -------------- */

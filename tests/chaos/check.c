@@ -61,7 +61,10 @@
 
 #include "kernels/model.h"
 #include "queue/queue.h"
+/* the stream's own encoders: the reference is spelled as the agents spell it */
+#include "queue/internal.h"
 #include "tests/chaos/chaos.h"
+#include "tests/redis_fixture.h"
 #include "tests/testutil.h"
 
 #define MAXV 4096
@@ -134,7 +137,7 @@ static struct {
 	char end_reason[32];
 	long violations;
 	redisContext *c;
-	struct ch_redis own; /* when the run's server is gone: started from its AOF */
+	struct ro_test_redis own; /* when the run's server is gone: started from its AOF */
 } C;
 
 static void violation(const char *cat, const char *fmt, ...)
@@ -359,7 +362,11 @@ static void connect_redis(void)
 		/* the driver is gone: replay the run's AOF into a server of our own */
 		redisFree(C.c);
 		(void)snprintf(rdir, sizeof(rdir), "%s/redis", C.dir);
-		if (ch_redis_start(&C.own, rdir, !strcmp(C.aof, "everysec"))) {
+		if (ro_test_redis_start_opts(&C.own, &(struct ro_test_redis_opts){
+						     .aof = true,
+						     .everysec = !strcmp(C.aof, "everysec"),
+						     .growing_aof = true,
+						     .dir = rdir})) {
 			(void)fprintf(stderr, "check: cannot reach %s nor start redis on %s\n", C.url,
 				      rdir);
 			exit(99);
@@ -485,42 +492,6 @@ static void read_stream(const char *which, bool samples)
 
 /* ---- the fault-free reference --------------------------------------------------------------- */
 
-/* queue/progress.c's formats: "[1,2]" and "%.9g" floats, -0.0 spelled, non-finite as the
- * most negative float */
-static char *fmt_ints(const int32_t *v, uint32_t n)
-{
-	size_t cap = (size_t)n * 12 + 3, off = 0;
-	char *s = malloc(cap);
-
-	s[off++] = '[';
-	for (uint32_t i = 0; i < n; i++)
-		off += (size_t)snprintf(s + off, cap - off, i ? ",%d" : "%d", v[i]);
-	s[off++] = ']';
-	s[off] = '\0';
-	return s;
-}
-
-static char *fmt_floats(const float *v, uint32_t n)
-{
-	size_t cap = (size_t)n * 18 + 3, off = 0;
-	char *s = malloc(cap);
-
-	s[off++] = '[';
-	for (uint32_t i = 0; i < n; i++) {
-		float x = isfinite(v[i]) ? v[i] : -3.40282347e38f;
-
-		if (i)
-			s[off++] = ',';
-		if (x == 0 && signbit(x))
-			off += (size_t)snprintf(s + off, cap - off, "-0.0");
-		else
-			off += (size_t)snprintf(s + off, cap - off, "%.9g", (double)x);
-	}
-	s[off++] = ']';
-	s[off] = '\0';
-	return s;
-}
-
 static bool is_stop(const struct ro_unit *u, int32_t t)
 {
 	for (uint32_t i = 0; i < u->stop_len; i++)
@@ -596,8 +567,8 @@ static void job_end(struct job *j, bool ok)
 
 	for (uint32_t i = 0; i < j->u.n; i++) {
 		if (ok) {
-			un->rtok_s[i] = fmt_ints(un->rtok[i], un->rlen[i]);
-			un->rlp_s[i] = fmt_floats(un->rlp[i], un->rlen[i]);
+			un->rtok_s[i] = ro_json_ints(un->rtok[i], un->rlen[i]);
+			un->rlp_s[i] = ro_json_floats(un->rlp[i], un->rlen[i]);
 		}
 		ro_seq_free(j->seq[i]);
 		free(j->logits[i]);
@@ -1307,6 +1278,6 @@ int main(int argc, char **argv)
 	ro_model_free(m);
 	redisFree(C.c);
 	if (C.own.pid)
-		ch_redis_stop(&C.own);
+		ro_test_redis_stop(&C.own);
 	return C.violations ? 1 : 0;
 }

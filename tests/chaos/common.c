@@ -1,7 +1,9 @@
-/* What the chaos driver and checker share: the redis-server they run on loopback with an
- * append-only file (fsync always or everysec), kept in a directory of the run so that a
- * SIGKILLed server restarts from it; the record format; a seeded generator. */
+/* What the chaos driver and checker share: where the redis-server's append-only file is
+ * (the server itself is tests/redis_fixture.c's, started with a growing AOF in a directory
+ * of the run so that a SIGKILLed server restarts from it); the record format; a seeded
+ * generator. */
 #include "tests/chaos/chaos.h"
+#include "tests/redis_fixture.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -64,130 +66,7 @@ void ch_model_opts(struct ro_make_model_opts *o)
 
 /* ---- redis-server ------------------------------------------------------------------------ */
 
-static int free_port(void)
-{
-	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-	socklen_t len = sizeof(a);
-	int fd = socket(AF_INET, SOCK_STREAM, 0), port = -1;
-
-	if (fd < 0)
-		return -1;
-	if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
-	    getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-		port = ntohs(a.sin_port);
-	(void)close(fd);
-	return port;
-}
-
-int ch_redis_spawn(struct ch_redis *r)
-{
-	char port[16];
-	pid_t parent = getpid();
-	pid_t pid;
-
-	(void)snprintf(port, sizeof(port), "%d", r->port);
-	pid = fork();
-	if (pid < 0)
-		return -errno;
-	if (pid == 0) {
-		const char *server = getenv("RO_REDIS_SERVER");
-
-		(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent)
-			_exit(1);
-		if (!server || !*server)
-			server = RO_REDIS_SERVER[0] ? RO_REDIS_SERVER : "redis-server";
-		/* no RDB snapshots and no AOF rewrites: the append-only file only grows, so a
-		 * simulated power loss can cut it back to an earlier length */
-		execlp(server, server, "--port", port, "--bind", "127.0.0.1", "--dir", r->dir,
-		       "--save", "", "--appendonly", "yes", "--appendfsync",
-		       r->everysec ? "everysec" : "always", "--auto-aof-rewrite-percentage", "0",
-		       "--aof-load-truncated", "yes", "--daemonize", "no", "--logfile", r->log,
-		       "--protected-mode", "yes", (char *)NULL);
-		_exit(127);
-	}
-	r->pid = pid;
-	/* up when it answers PING (not LOADING); a taken port shows as an early exit */
-	for (int i = 0; i < 1500; i++) {
-		redisContext *c;
-		int st;
-
-		if (waitpid(pid, &st, WNOHANG) == pid) {
-			r->pid = 0;
-			return -EADDRINUSE;
-		}
-		c = redisConnectWithTimeout("127.0.0.1", r->port, (struct timeval){0, 200000});
-		if (c && !c->err) {
-			redisReply *rep;
-
-			(void)redisSetTimeout(c, (struct timeval){0, 500000});
-			rep = redisCommand(c, "PING");
-			bool ok =
-			    rep && rep->type == REDIS_REPLY_STATUS && !strcmp(rep->str, "PONG");
-
-			if (rep)
-				freeReplyObject(rep);
-			redisFree(c);
-			if (ok)
-				return 0;
-		} else if (c) {
-			redisFree(c);
-		}
-		ro_test_msleep(10);
-	}
-	return -ETIMEDOUT;
-}
-
-int ch_redis_start(struct ch_redis *r, const char *dir, bool everysec)
-{
-	int ret = -EADDRINUSE;
-
-	memset(r, 0, sizeof(*r));
-	r->everysec = everysec;
-	(void)snprintf(r->dir, sizeof(r->dir), "%s", dir);
-	(void)snprintf(r->log, sizeof(r->log), "%s/redis.log", dir);
-	if (mkdir(dir, 0700) && errno != EEXIST)
-		return -errno;
-	for (int tries = 0; tries < 8 && ret == -EADDRINUSE; tries++) {
-		r->port = free_port();
-		if (r->port < 0)
-			return -EADDRNOTAVAIL;
-		ret = ch_redis_spawn(r);
-	}
-	if (!ret)
-		(void)snprintf(r->url, sizeof(r->url), "redis://127.0.0.1:%d/0", r->port);
-	return ret;
-}
-
-static void reap(struct ch_redis *r, int sig)
-{
-	if (r->pid <= 0)
-		return;
-	(void)kill(r->pid, SIGCONT);
-	(void)kill(r->pid, sig);
-	for (int i = 0; i < 500; i++) {
-		if (waitpid(r->pid, NULL, WNOHANG) == r->pid) {
-			r->pid = 0;
-			return;
-		}
-		ro_test_msleep(10);
-	}
-	(void)kill(r->pid, SIGKILL);
-	(void)waitpid(r->pid, NULL, 0);
-	r->pid = 0;
-}
-
-void ch_redis_kill(struct ch_redis *r)
-{
-	reap(r, SIGKILL);
-}
-
-void ch_redis_stop(struct ch_redis *r)
-{
-	reap(r, SIGTERM);
-}
-
-int ch_aof_incr_path(const struct ch_redis *r, char *buf, size_t len)
+int ch_aof_incr_path(const struct ro_test_redis *r, char *buf, size_t len)
 {
 	char path[300], line[512], last[256] = "";
 	FILE *f;
