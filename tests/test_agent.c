@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "kernels/model.h"
+#include "tests/agent_model.h"
 #include "tests/mock_fixture.h"
 #include "tests/redis_hooks.h"
 #include "tests/testutil.h"
@@ -42,17 +43,7 @@ static void setup(void)
 	(void)snprintf(dir, sizeof(dir), "/tmp/ro-agent-XXXXXX");
 	cr_assert_not_null(mkdtemp(dir));
 	(void)snprintf(model, sizeof(model), "%s/model", dir);
-	/* big enough that a few hundred tokens take a second at batch 16 */
-	ro_make_model_defaults(&o);
-	o.layers = 4;
-	o.hidden = 256;
-	o.heads = 4;
-	o.kv_heads = 2;
-	o.head_dim = 64;
-	o.experts = 8;
-	o.top_k = 2;
-	o.expert_ffn = 256;
-	o.vocab = 1024;
+	ro_test_agent_model(&o);
 	cr_assert_eq(ro_make_model(&o, model, err, sizeof(err)), 0, "%s", err);
 }
 

@@ -32,6 +32,7 @@
 #include <unistd.h>
 
 #include "kernels/model.h"
+#include "tests/agent_model.h"
 #include "tests/redis_fixture.h"
 #include "tests/testutil.h"
 
@@ -712,16 +713,7 @@ int main(int argc, char **argv)
 	(void)atexit(cleanup);
 	/* the agent tests' model: a few hundred tokens a second at batch 16 on one thread */
 	(void)snprintf(model, sizeof(model), "%s/model", dir);
-	ro_make_model_defaults(&mo);
-	mo.layers = 4;
-	mo.hidden = 256;
-	mo.heads = 4;
-	mo.kv_heads = 2;
-	mo.head_dim = 64;
-	mo.experts = 8;
-	mo.top_k = 2;
-	mo.expert_ffn = 256;
-	mo.vocab = 1024;
+	ro_test_agent_model(&mo);
 	if (ro_make_model(&mo, model, err, sizeof(err))) {
 		(void)fprintf(stderr, "probe_bench: %s\n", err);
 		return 1;

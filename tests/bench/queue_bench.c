@@ -241,7 +241,7 @@ static struct result run(const char *name, void (*setup)(const char *), client_f
 			 int clients, bool batched)
 {
 	static int round;
-	char queue[64], path[160];
+	char queue[64], path[256];
 	int go[2];
 	pid_t pid[64];
 	struct lat all[OP_N] = {0};

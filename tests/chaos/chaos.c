@@ -29,6 +29,7 @@
 
 #include "kernels/model.h"
 #include "queue/queue.h"
+#include "tests/agent_model.h"
 #include "tests/chaos/chaos.h"
 #include "tests/redis_fixture.h"
 #include "tests/mock_fixture.h"
@@ -1536,7 +1537,7 @@ int main(int argc, char **argv)
 		     (unsigned long long)R.o.seed, (unsigned long long)R.o.seed, R.dir);
 	/* the model */
 	(void)snprintf(R.model, sizeof(R.model), "%s/model", R.dir);
-	ch_model_opts(&mo);
+	ro_test_agent_model(&mo);
 	if (ro_make_model(&mo, R.model, err, sizeof(err)))
 		die("model: %s", err);
 	/* redis */

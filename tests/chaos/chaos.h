@@ -53,8 +53,6 @@ const char *ch_poison_expect(int variant);
 
 /* ---- the tiny model (both programs; the checker loads DIR/model) ----------------------- */
 
-struct ro_make_model_opts;
-void ch_model_opts(struct ro_make_model_opts *o);
 
 /* ---- the private redis-server: tests/redis_fixture.h's, with a growing AOF ------------ */
 

@@ -20,7 +20,6 @@
 #include <unistd.h>
 
 #include "config.h"
-#include "kernels/model.h"
 #include "tests/testutil.h"
 
 const char *const ch_kind_name[CH_NKINDS] = {
@@ -49,20 +48,6 @@ const char *ch_poison_expect(int v)
 	return v <= CH_PV_STRAY_BODY ? "dead" : "either";
 }
 
-void ch_model_opts(struct ro_make_model_opts *o)
-{
-	/* tests/test_agent.c's model: a few hundred tokens a second per agent thread */
-	ro_make_model_defaults(o);
-	o->layers = 4;
-	o->hidden = 256;
-	o->heads = 4;
-	o->kv_heads = 2;
-	o->head_dim = 64;
-	o->experts = 8;
-	o->top_k = 2;
-	o->expert_ffn = 256;
-	o->vocab = 1024;
-}
 
 /* ---- redis-server ------------------------------------------------------------------------ */
 
