@@ -192,6 +192,9 @@ int ro_control_open(struct ro_agent *a, const char *path);
 void ro_control_close(struct ro_agent *a);
 /* The status object (control socket, tests). */
 void ro_status_json(struct ro_agent *a, char *buf, size_t len);
+/* Ready for work: running, and Redis answered within redis-unready-ms (a worker that
+ * cannot write, during a failover or an outage, is not ready). */
+bool ro_ready(const struct ro_agent *a);
 
 /* metrics.c */
 void ro_metrics_write(struct ro_agent *a);

@@ -4,6 +4,7 @@
  * file (lease-ms = 30000; lease_ms works too). An unknown key or a bad value stops the
  * start, naming the setting and where it came from. */
 #include "agent/settings.h"
+#include "queue/queue.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -29,13 +30,35 @@ static const char *const rebalance_names[] = {"drain", "stop-claiming", "ignore"
 static const char *const ep_mode_names[] = {"auto", "low-latency", "throughput", NULL};
 static const char *const dtype_names[] = {"f32", "bf16", NULL};
 static const char *const combine_names[] = {"exact", "sum", NULL};
+static const char *const cluster_names[] = {"auto", "yes", "no", NULL};
 static const char *const level_names[] = {"emerg", "alert", "crit",  "err",
 					  "warning", "notice", "info", "debug", NULL};
 
 #define F(x) offsetof(struct ro_config, x)
 static const struct setting table[] = {
     {"redis", T_STR, F(redis), "redis://127.0.0.1:6379/0", 0, 0, NULL,
-     "Redis URL: redis://[:pass@]host:port/db or unix:///path"},
+     "Redis URL: redis://[user[:password]@]host[:port][/db], rediss://... (TLS), "
+     "unix:///path, redis+sentinel://[user:pw@]h1:26379,h2/MASTER[/db]"},
+    {"redis-password", T_STR, F(redis_password), "", 0, 0, NULL,
+     "Redis password (beats the URL's; prefer ROLLOUTD_REDIS_PASSWORD or the file)"},
+    {"redis-password-file", T_STR, F(redis_password_file), "", 0, 0, NULL,
+     "file whose first line is the Redis password (beats redis-password)"},
+    {"redis-sentinel-password", T_STR, F(redis_sentinel_password), "", 0, 0, NULL,
+     "the sentinels' own password, when they have one"},
+    {"redis-tls-ca", T_STR, F(redis_tls_ca), "", 0, 0, NULL,
+     "CA file or directory that signs the server's certificate; empty: the system store"},
+    {"redis-tls-cert", T_STR, F(redis_tls_cert), "", 0, 0, NULL,
+     "client certificate (PEM) for mutual TLS"},
+    {"redis-tls-key", T_STR, F(redis_tls_key), "", 0, 0, NULL, "its private key (PEM)"},
+    {"redis-tls-server-name", T_STR, F(redis_tls_server_name), "", 0, 0, NULL,
+     "name sent (SNI) and verified in the server's certificate; empty: the URL's host"},
+    {"redis-cluster", T_ENUM, F(redis_cluster), "auto", 0, 0, cluster_names,
+     "Redis Cluster routing: auto (detected) | yes | no"},
+    {"redis-wait-replicas", T_U32, F(redis_wait_replicas), "0", 0, 64, NULL,
+     "confirm enqueue, publish, complete and requeue only once this many replicas have "
+     "them (WAIT)"},
+    {"redis-wait-timeout-ms", T_U32, F(redis_wait_timeout_ms), "1000", 1, 600000, NULL,
+     "how long one WAIT waits for the replicas (then the write is sent again)"},
     {"queue", T_STR, F(queue), "default", 0, 0, NULL, "queue name (the {q} of the keys)"},
     {"prefix", T_STR, F(prefix), "ro", 0, 0, NULL, "Redis key prefix"},
     {"worker-id", T_STR, F(worker_id), "", 0, 0, NULL,
@@ -51,6 +74,8 @@ static const struct setting table[] = {
      "attempts (expired leases, failed runs) before a unit is dead-lettered"},
     {"redis-timeout-ms", T_U32, F(redis_timeout_ms), "2000", 100, 600000, NULL,
      "connect and reply timeout of one Redis attempt (operations retry within their own time)"},
+    {"redis-unready-ms", T_U32, F(redis_unready_ms), "3000", 100, 3600000, NULL,
+     "not ready (status --ready, the probe) once Redis has not answered for this long"},
     {"lease-ms", T_U32, F(lease_ms), "30000", 1000, 3600000, NULL,
      "lease on a claimed unit; renewed every third of it"},
     {"checkpoint-tokens", T_U32, F(checkpoint_tokens), "32", 1, 1000000, NULL,
@@ -287,10 +312,22 @@ void ro_config_print(const struct ro_config *c, FILE *f)
 		const void *p = (const char *)c + table[i].off;
 
 		switch (table[i].type) {
-		case T_STR:
-			(void)fprintf(f, "%s = %s\n", table[i].name,
-				      *(char *const *)p ? *(char *const *)p : "");
+		case T_STR: {
+			const char *v = *(char *const *)p ? *(char *const *)p : "";
+			char red[1024];
+
+			/* secrets never leave the process */
+			if (p == (const void *)&c->redis)
+				ro_redis_url_redact(v, red, sizeof(red));
+			else
+				(void)snprintf(red, sizeof(red), "%s",
+					       *v && (p == (const void *)&c->redis_password ||
+						      p == (const void *)&c->redis_sentinel_password)
+						   ? "***"
+						   : v);
+			(void)fprintf(f, "%s = %s\n", table[i].name, red);
 			break;
+		}
 		case T_U32:
 			(void)fprintf(f, "%s = %u\n", table[i].name, *(const uint32_t *)p);
 			break;
@@ -319,6 +356,34 @@ void ro_config_clear(struct ro_config *c)
 		}
 	free(c->config_file);
 	c->config_file = NULL;
+}
+
+/* The first line of redis-password-file becomes redis-password. */
+static int read_password(struct ro_config *c, FILE *err)
+{
+	FILE *f = fopen(c->redis_password_file, "r");
+	char line[4096] = "";
+	size_t n;
+
+	if (!f) {
+		(void)fprintf(err, "rolloutd: redis-password-file %s: %s\n", c->redis_password_file,
+			      strerror(errno));
+		return -EINVAL;
+	}
+	if (!fgets(line, sizeof(line), f))
+		line[0] = '\0';
+	(void)fclose(f);
+	n = strcspn(line, "\r\n");
+	line[n] = '\0';
+	if (!n) {
+		(void)fprintf(err, "rolloutd: redis-password-file %s: empty\n",
+			      c->redis_password_file);
+		return -EINVAL;
+	}
+	free(c->redis_password);
+	c->redis_password = strdup(line);
+	explicit_bzero(line, sizeof(line));
+	return c->redis_password ? 0 : -ENOMEM;
 }
 
 int ro_config_load(struct ro_config *c, int argc, char **argv, FILE *out, FILE *err)
@@ -403,6 +468,8 @@ int ro_config_load(struct ro_config *c, int argc, char **argv, FILE *out, FILE *
 		}
 		r = set(c, st, v, "command line", err);
 	}
+	if (!r && c->redis_password_file && *c->redis_password_file)
+		r = read_password(c, err);
 	if (r)
 		return r;
 	if (print) {

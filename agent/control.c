@@ -44,6 +44,12 @@ struct ro_control {
 	uint64_t served, dropped;
 };
 
+bool ro_ready(const struct ro_agent *a)
+{
+	return a->state == RO_RUNNING && a->last_redis_ok_ms &&
+	       ro_now_ms() - a->last_redis_ok_ms <= (int64_t)a->cfg.redis_unready_ms;
+}
+
 void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 {
 	int64_t now = ro_wall_ms(), mono = ro_now_ms();
@@ -64,20 +70,23 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 	engine_age = a->engine_working ? mono - a->engine_beat_ms : 0;
 	pthread_mutex_unlock(&a->mu);
 	(void)snprintf(buf, len,
-		       "{\"state\":\"%s\",\"worker\":\"%s\",\"units\":%u,\"in_flight\":%u,"
+		       "{\"state\":\"%s\",\"ready\":%s,\"worker\":\"%s\",\"units\":%u,\"in_flight\":%u,"
 		       "\"tokens_per_s\":%.1f,\"step_ms\":%.2f,\"prefill_tokens_per_s\":%.1f,"
 		       "\"backpressure\":%s,\"lag\":%lld,"
 		       "\"stop_claiming\":%s,\"deadline_in_s\":%.3f,\"drain_reason\":\"%s\","
-		       "\"loop_age_ms\":%lld,\"redis\":\"%s\",\"redis_pending\":%zu,"
+		       "\"loop_age_ms\":%lld,\"redis\":\"%s\",\"redis_mode\":\"%s\","
+		       "\"redis_node\":\"%s\",\"redis_redirects\":%llu,\"redis_pending\":%zu,"
 		       "\"redis_ok_age_ms\":%lld,\"claimed\":%llu,\"completed\":%llu,"
 		       "\"requeued\":%llu,\"published\":%llu,\"failed\":%llu,\"lease_losses\":%llu,"
 		       "\"uncheckpointed_max\":%u",
-		       ro_state_name(a->state), a->worker, held, active, tps, step, pps,
+		       ro_state_name(a->state), ro_ready(a) ? "true" : "false", a->worker, held, active, tps, step, pps,
 		       a->backpressure ? "true" : "false", (long long)a->lag,
 		       a->stop_claiming ? "true" : "false",
 		       a->state == RO_RUNNING ? -1.0 : (double)(a->deadline_wall_ms - now) / 1000.0,
 		       a->drain_reason, (long long)(engine_age < 0 ? 0 : engine_age),
-		       ro_queue_connected(a->q) ? "up" : "down", ro_queue_pending(a->q),
+		       ro_queue_connected(a->q) ? "up" : "down", ro_queue_mode(a->q),
+		       ro_queue_node(a->q), (unsigned long long)ro_queue_redirects(a->q),
+		       ro_queue_pending(a->q),
 		       (long long)(a->last_redis_ok_ms ? mono - a->last_redis_ok_ms : -1),
 		       (unsigned long long)a->n.claimed, (unsigned long long)a->n.completed,
 		       (unsigned long long)a->n.requeued, (unsigned long long)a->n.published,

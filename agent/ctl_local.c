@@ -186,7 +186,7 @@ int ro_ctl_status_local(int argc, char **argv)
 		return 1;
 	}
 	(void)fputs(rep, stdout);
-	if (ready && !field_is(rep, "state", "running"))
+	if (ready && !(field_is(rep, "state", "running") && strstr(rep, "\"ready\":true")))
 		return 1;
 	if (live && !(field_num(rep, "loop_age_ms") >= 0 && field_num(rep, "loop_age_ms") < max_age))
 		return 1;

@@ -316,6 +316,15 @@ static void queue_opts(const struct ro_agent *a, struct ro_queue_opts *qo)
 	qo->prefix = a->cfg.prefix;
 	qo->worker = a->worker;
 	qo->timeout_ms = a->cfg.redis_timeout_ms;
+	qo->password = a->cfg.redis_password;
+	qo->sentinel_password = a->cfg.redis_sentinel_password;
+	qo->tls_ca = a->cfg.redis_tls_ca;
+	qo->tls_cert = a->cfg.redis_tls_cert;
+	qo->tls_key = a->cfg.redis_tls_key;
+	qo->tls_server_name = a->cfg.redis_tls_server_name;
+	qo->cluster = (enum ro_redis_cluster)a->cfg.redis_cluster;
+	qo->wait_replicas = a->cfg.redis_wait_replicas;
+	qo->wait_timeout_ms = a->cfg.redis_wait_timeout_ms;
 	qo->retry_ms = 2 * a->cfg.redis_timeout_ms; /* start-up calls (the EP rendezvous) */
 	qo->max_attempts = a->cfg.max_attempts;
 	qo->worker_ttl_ms = a->cfg.status_interval_ms * 4;
@@ -332,7 +341,7 @@ int main(int argc, char **argv)
 	struct ro_queue_opts qo;
 	struct ro_model_opts mo = {0};
 	sigset_t mask;
-	char err[512] = "";
+	char err[512] = "", redis_shown[1024];
 	int r, rc = 0;
 
 	r = ro_config_load(&a->cfg, argc, argv, stdout, stderr);
@@ -375,11 +384,25 @@ int main(int argc, char **argv)
 	r = ro_queue_new(&qo, &a->q);
 	if (!r)
 		r = ro_queue_new(&qo, &a->qw);
+	ro_redis_url_redact(a->cfg.redis, redis_shown, sizeof(redis_shown));
 	if (r) {
-		/* a bad URL or queue name: no retry can fix it */
-		ro_log(LOG_ERR, "redis %s: %s", a->cfg.redis, ro_queue_errmsg(NULL));
+		/* a bad URL, queue name or TLS file: no retry can fix it */
+		ro_log(LOG_ERR, "redis %s: %s", redis_shown, ro_queue_errmsg(NULL));
 		rc = 2;
 		goto out;
+	}
+	/* Wrong credentials, permissions, TLS trust, a db in a cluster, a server without
+	 * functions: the start stops here, naming the cause. Redis merely unreachable is not
+	 * a reason to stop: the daemon starts unready and its operations wait for Redis. */
+	r = ro_queue_check(a->q, a->cfg.redis_timeout_ms * 2 > 5000 ? a->cfg.redis_timeout_ms * 2
+								     : 5000);
+	if (r && ro_queue_fatal(a->q)) {
+		ro_log(LOG_ERR, "redis %s: %s", redis_shown, ro_queue_errmsg(a->q));
+		rc = 2;
+		goto out;
+	} else if (r) {
+		ro_log(LOG_WARNING, "redis %s: %s: starting unready, operations wait for it",
+		       redis_shown, ro_queue_errmsg(a->q));
 	}
 	if (a->cfg.ep_size > 1 && ep_setup(a)) {
 		rc = 3;
@@ -399,9 +422,9 @@ int main(int argc, char **argv)
 		ro_log(LOG_WARNING, "imds watcher did not start: interruption notices unseen");
 	a->imds_fd = wt.running ? wt.fd[0] : -1;
 	ro_log(LOG_INFO,
-	       "rolloutd %s: worker %s, queue %s on %s, model %s (%s, %s kernels, %u threads), "
+	       "rolloutd %s: worker %s, queue %s on %s (%s %s), model %s (%s, %s kernels, %u threads), "
 	       "policy version %lld, prefill chunk %u",
-	       PACKAGE_VERSION, a->worker, a->cfg.queue, a->cfg.redis, a->cfg.model,
+	       PACKAGE_VERSION, a->worker, a->cfg.queue, redis_shown, ro_queue_mode(a->q), ro_queue_node(a->q), a->cfg.model,
 	       ro_model_config(a->m)->arch == RO_ARCH_QWEN3_MOE ? "qwen3_moe" : "mixtral",
 	       ro_model_kernels(a->m), ro_model_threads(a->m), (long long)a->cfg.policy_version,
 	       a->cfg.prefill_chunk);

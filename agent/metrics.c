@@ -66,6 +66,10 @@ void ro_metrics_write(struct ro_agent *a)
 	G("trainer_lag", "Trainer lag on the samples stream.", "%lld", (long long)a->lag);
 	G("redis_up", "1 while the Redis connection is established.", "%d",
 	  ro_queue_connected(a->q) ? 1 : 0);
+	G("ready", "1 while running and Redis answers (the readiness probe).", "%d",
+	  ro_ready(a) ? 1 : 0);
+	C("redis_redirects_total", "Redirections followed (Cluster MOVED, a failover).",
+	  (unsigned long long)ro_queue_redirects(a->q));
 	G("last_drain_duration_seconds", "Duration of the last drain.", "%.3f", a->last_drain_s);
 	if (a->ep) {
 		struct ro_ep_stats st;

@@ -16,6 +16,9 @@
 
 struct ctl {
 	const char *redis, *queue, *prefix;
+	const char *password, *password_file, *sentinel_password;
+	const char *tls_ca, *tls_cert, *tls_key, *tls_server_name, *cluster;
+	uint32_t timeout_ms, wait_replicas;
 	bool json, follow;
 	long count;
 	const char *from;
@@ -39,6 +42,8 @@ static void usage(FILE *f)
 	    "  enqueue FILE|-          add units from JSON lines; every bad line is reported by\n"
 	    "                          number and nothing is written unless all lines are good\n"
 	    "  status                  pending, leased, done, dead, samples, trainer lag, workers\n"
+	    "  init                    load the queue's function library (an admin's right), so\n"
+	    "                          that workers need none\n"
 	    "  reap                    expired leases back to pending (or dead past the limit)\n"
 	    "  dead list               dead-lettered units with their reason and history\n"
 	    "  dead retry ID           a dead unit back to pending with a fresh attempt count\n"
@@ -57,8 +62,13 @@ static void usage(FILE *f)
 	    "                          read a path, or start the mock IMDS (imds --help)\n"
 	    "\n"
 	    "options (anywhere on the line):\n"
-	    "  --redis URL             redis://host:port/db or unix:///path (env ROLLOUTD_REDIS;\n"
-	    "                          default redis://127.0.0.1:6379/0)\n"
+	    "  --redis URL             redis://[user[:password]@]host[:port][/db], rediss://...\n"
+	    "                          (TLS), unix:///path, redis+sentinel://h1:26379,h2/MASTER\n"
+	    "                          (env ROLLOUTD_REDIS; default redis://127.0.0.1:6379/0)\n"
+	    "  --redis-password-file F, --redis-password PW (env ROLLOUTD_REDIS_PASSWORD[_FILE])\n"
+	    "  --redis-tls-ca F --redis-tls-cert F --redis-tls-key F --redis-tls-server-name N\n"
+	    "  --redis-cluster auto|yes|no --redis-sentinel-password PW --redis-timeout-ms MS\n"
+	    "  --redis-wait-replicas N  the same settings as rolloutd's (env ROLLOUTD_REDIS_*)\n"
 	    "  --queue NAME            queue name (env ROLLOUTD_QUEUE; default \"default\")\n"
 	    "  --prefix P              key prefix (env ROLLOUTD_PREFIX; default \"ro\")\n"
 	    "  --json                  machine-readable output\n"
@@ -67,21 +77,98 @@ static void usage(FILE *f)
 	    f);
 }
 
+static int failed(struct ro_queue *q, int r, const char *what);
+
+/* The password: --redis-password-file (or ROLLOUTD_REDIS_PASSWORD_FILE), else
+ * --redis-password (or ROLLOUTD_REDIS_PASSWORD), else the URL's. */
+static int read_password(const struct ctl *c, char *buf, size_t len)
+{
+	FILE *f;
+	size_t n;
+
+	buf[0] = '\0';
+	if (!c->password_file || !*c->password_file) {
+		(void)snprintf(buf, len, "%s", c->password ? c->password : "");
+		return 0;
+	}
+	f = fopen(c->password_file, "r");
+	if (!f) {
+		(void)fprintf(stderr, "rolloutctl: redis-password-file %s: %s\n", c->password_file,
+			      strerror(errno));
+		return -EINVAL;
+	}
+	if (!fgets(buf, (int)len, f))
+		buf[0] = '\0';
+	(void)fclose(f);
+	n = strcspn(buf, "\r\n");
+	buf[n] = '\0';
+	return 0;
+}
+
 static int open_queue(const struct ctl *c, struct ro_queue **ret)
 {
+	char pw[4096];
 	struct ro_queue_opts o = {
 	    .url = c->redis,
 	    .queue = c->queue,
 	    .prefix = c->prefix,
 	    .worker = "rolloutctl",
+	    .timeout_ms = c->timeout_ms ? c->timeout_ms : 2000,
 	    .retry_ms = 3000,
 	    .bounds = c->bounds,
+	    .password = pw,
+	    .sentinel_password = c->sentinel_password,
+	    .tls_ca = c->tls_ca,
+	    .tls_cert = c->tls_cert,
+	    .tls_key = c->tls_key,
+	    .tls_server_name = c->tls_server_name,
+	    .cluster = !c->cluster || !strcmp(c->cluster, "auto") ? RO_REDIS_CLUSTER_AUTO
+		       : !strcmp(c->cluster, "yes")		  ? RO_REDIS_CLUSTER_YES
+								  : RO_REDIS_CLUSTER_NO,
+	    .wait_replicas = c->wait_replicas,
 	};
+	int r;
 
-	int r = ro_queue_new(&o, ret);
+	if (c->cluster && strcmp(c->cluster, "auto") && strcmp(c->cluster, "yes") &&
+	    strcmp(c->cluster, "no")) {
+		(void)fprintf(stderr, "rolloutctl: --redis-cluster wants auto, yes or no\n");
+		exit(EXIT_USAGE);
+	}
+	if (read_password(c, pw, sizeof(pw)))
+		exit(EXIT_USAGE);
+	r = ro_queue_new(&o, ret);
+	explicit_bzero(pw, sizeof(pw));
+	if (r) {
+		/* a bad URL, queue name or TLS file */
+		(void)fprintf(stderr, "rolloutctl: %s\n", ro_queue_errmsg(NULL));
+		exit(EXIT_USAGE);
+	}
+	r = ro_queue_check(*ret, o.retry_ms);
+	if (r && ro_queue_fatal(*ret)) {
+		/* credentials, permissions, TLS trust: no retry fixes these */
+		(void)fprintf(stderr, "rolloutctl: %s\n", ro_queue_errmsg(*ret));
+		*ret = ro_queue_free(*ret);
+		exit(EXIT_USAGE);
+	}
+	return 0;
+}
+
+static int cmd_init(const struct ctl *c)
+{
+	struct ro_queue *q = NULL;
+	int r = open_queue(c, &q);
 
 	if (r)
-		(void)fprintf(stderr, "rolloutctl: %s\n", ro_queue_errmsg(NULL));
+		return EXIT_FAILURE;
+	r = ro_queue_init_library(q);
+	if (r < 0) {
+		r = failed(q, r, "init");
+	} else {
+		(void)printf("function library loaded on %s (%s): workers need no FUNCTION right\n",
+			     ro_queue_node(q), ro_queue_mode(q));
+		r = EXIT_SUCCESS;
+	}
+	(void)ro_queue_free(q);
 	return r;
 }
 
@@ -403,7 +490,17 @@ int main(int argc, char **argv)
 		O_MAXP,
 		O_MAXN,
 		O_MAXT,
-		O_MAXB
+		O_MAXB,
+		O_PW,
+		O_PWFILE,
+		O_SPW,
+		O_CA,
+		O_CERT,
+		O_KEY,
+		O_SNI,
+		O_CLUSTER,
+		O_TIMEOUT,
+		O_WAIT
 	};
 	static const struct option opts[] = {
 	    {"redis", required_argument, NULL, O_REDIS},
@@ -417,6 +514,16 @@ int main(int argc, char **argv)
 	    {"max-n", required_argument, NULL, O_MAXN},
 	    {"max-new-tokens", required_argument, NULL, O_MAXT},
 	    {"max-body", required_argument, NULL, O_MAXB},
+	    {"redis-password", required_argument, NULL, O_PW},
+	    {"redis-password-file", required_argument, NULL, O_PWFILE},
+	    {"redis-sentinel-password", required_argument, NULL, O_SPW},
+	    {"redis-tls-ca", required_argument, NULL, O_CA},
+	    {"redis-tls-cert", required_argument, NULL, O_CERT},
+	    {"redis-tls-key", required_argument, NULL, O_KEY},
+	    {"redis-tls-server-name", required_argument, NULL, O_SNI},
+	    {"redis-cluster", required_argument, NULL, O_CLUSTER},
+	    {"redis-timeout-ms", required_argument, NULL, O_TIMEOUT},
+	    {"redis-wait-replicas", required_argument, NULL, O_WAIT},
 	    {"help", no_argument, NULL, 'h'},
 	    {0},
 	};
@@ -424,6 +531,14 @@ int main(int argc, char **argv)
 	    .redis = getenv("ROLLOUTD_REDIS"),
 	    .queue = getenv("ROLLOUTD_QUEUE"),
 	    .prefix = getenv("ROLLOUTD_PREFIX"),
+	    .password = getenv("ROLLOUTD_REDIS_PASSWORD"),
+	    .password_file = getenv("ROLLOUTD_REDIS_PASSWORD_FILE"),
+	    .sentinel_password = getenv("ROLLOUTD_REDIS_SENTINEL_PASSWORD"),
+	    .tls_ca = getenv("ROLLOUTD_REDIS_TLS_CA"),
+	    .tls_cert = getenv("ROLLOUTD_REDIS_TLS_CERT"),
+	    .tls_key = getenv("ROLLOUTD_REDIS_TLS_KEY"),
+	    .tls_server_name = getenv("ROLLOUTD_REDIS_TLS_SERVER_NAME"),
+	    .cluster = getenv("ROLLOUTD_REDIS_CLUSTER"),
 	};
 	struct sigaction sa = {.sa_handler = on_signal};
 	int ch;
@@ -467,6 +582,16 @@ int main(int argc, char **argv)
 		case O_FROM:
 			c.from = optarg;
 			break;
+		case O_PW: c.password = optarg; break;
+		case O_PWFILE: c.password_file = optarg; break;
+		case O_SPW: c.sentinel_password = optarg; break;
+		case O_CA: c.tls_ca = optarg; break;
+		case O_CERT: c.tls_cert = optarg; break;
+		case O_KEY: c.tls_key = optarg; break;
+		case O_SNI: c.tls_server_name = optarg; break;
+		case O_CLUSTER: c.cluster = optarg; break;
+		case O_TIMEOUT:
+		case O_WAIT:
 		case O_COUNT:
 		case O_MAXP:
 		case O_MAXN:
@@ -479,7 +604,11 @@ int main(int argc, char **argv)
 				    opts[ch - O_REDIS].name, optarg);
 				return EXIT_USAGE;
 			}
-			if (ch == O_COUNT)
+			if (ch == O_TIMEOUT)
+				c.timeout_ms = v;
+			else if (ch == O_WAIT)
+				c.wait_replicas = v;
+			else if (ch == O_COUNT)
 				c.count = v;
 			else if (ch == O_MAXP)
 				c.bounds.max_prompt = v;
@@ -511,6 +640,8 @@ int main(int argc, char **argv)
 		return cmd_enqueue(&c, argc - 1, argv + 1);
 	if (!strcmp(argv[0], "status") && argc == 1)
 		return cmd_status(&c);
+	if (!strcmp(argv[0], "init") && argc == 1)
+		return cmd_init(&c);
 	if (!strcmp(argv[0], "reap") && argc == 1)
 		return cmd_reap(&c);
 	if (!strcmp(argv[0], "dead"))

@@ -12,6 +12,10 @@ enum ro_rebalance { RO_REBALANCE_DRAIN, RO_REBALANCE_STOP_CLAIMING, RO_REBALANCE
 struct ro_config {
 	char *config_file;
 	char *redis, *queue, *prefix, *worker_id, *model;
+	char *redis_password, *redis_password_file, *redis_sentinel_password;
+	char *redis_tls_ca, *redis_tls_cert, *redis_tls_key, *redis_tls_server_name;
+	uint32_t redis_cluster; /* enum ro_redis_cluster */
+	uint32_t redis_wait_replicas, redis_wait_timeout_ms, redis_unready_ms;
 	uint32_t max_inflight, claim_batch, lease_ms, checkpoint_tokens, checkpoint_ms;
 	uint32_t prefill_chunk, max_attempts, redis_timeout_ms;
 	char *imds_endpoint;

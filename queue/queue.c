@@ -24,8 +24,7 @@ extern const char ro_queue_scripts_version[];
 
 struct ro_queue {
 	struct ro_conn *conn;
-	char *host, *path, *user, *password;
-	int port, db;
+	struct ro_redis_url url;
 	char *prefix; /* "ro:{q}:" */
 	char *worker;
 	struct ro_queue_opts o;
@@ -175,75 +174,6 @@ static void fcall_start(struct ro_queue *q, struct args *a, const char *fn)
 
 /* ---- connection ------------------------------------------------------------------- */
 
-static char *strndup_or_null(const char *s, size_t n)
-{
-	return n ? strndup(s, n) : NULL;
-}
-
-/* redis://[[user]:password@]host[:port][/db] or unix:///path[?db=N] */
-static int parse_url(struct ro_queue *q, const char *url)
-{
-	const char *p;
-
-	q->port = 6379;
-	q->db = 0;
-	if (!strncmp(url, "unix://", 7)) {
-		const char *qm = strchr(url + 7, '?');
-		size_t n = qm ? (size_t)(qm - url - 7) : strlen(url + 7);
-
-		q->path = strndup_or_null(url + 7, n);
-		if (!q->path)
-			return fail(q, -EINVAL, "bad redis url %s: no socket path", url);
-		if (qm && !strncmp(qm, "?db=", 4))
-			q->db = atoi(qm + 4);
-		return 0;
-	}
-	if (strncmp(url, "redis://", 8))
-		return fail(q, -EINVAL,
-			    "bad redis url %s: want redis://host:port/db or unix:///path", url);
-	p = url + 8;
-	{
-		const char *at = strchr(p, '@');
-
-		if (at) {
-			const char *colon = memchr(p, ':', (size_t)(at - p));
-
-			if (colon) {
-				q->user = strndup_or_null(p, (size_t)(colon - p));
-				q->password = strndup_or_null(colon + 1, (size_t)(at - colon - 1));
-			}
-			p = at + 1;
-		}
-	}
-	{
-		size_t hl = strcspn(p, ":/");
-		const char *rest = p + hl;
-		char *end;
-
-		q->host = hl ? strndup(p, hl) : strdup("127.0.0.1");
-		if (!q->host)
-			return -ENOMEM;
-		if (*rest == ':') {
-			long port = strtol(rest + 1, &end, 10);
-
-			if (end == rest + 1 || port <= 0 || port > 65535)
-				return fail(q, -EINVAL, "bad redis url %s: bad port", url);
-			q->port = (int)port;
-			rest = end;
-		}
-		if (*rest == '/' && rest[1]) {
-			long db = strtol(rest + 1, &end, 10);
-
-			if (*end || db < 0)
-				return fail(q, -EINVAL, "bad redis url %s: bad db", url);
-			q->db = (int)db;
-		} else if (*rest && strcmp(rest, "/")) {
-			return fail(q, -EINVAL, "bad redis url %s", url);
-		}
-	}
-	return 0;
-}
-
 int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 {
 	struct ro_queue *q;
@@ -292,28 +222,36 @@ int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 			   q->worker);
 		goto out_free;
 	}
-	r = parse_url(q, o->url && *o->url ? o->url : "redis://127.0.0.1:6379/0");
+	r = ro_redis_url_parse(o->url && *o->url ? o->url : "redis://127.0.0.1:6379/0", &q->url,
+			       q->err, sizeof(q->err));
 	if (r)
 		goto out_free;
 	/* named, so an operator's CLIENT LIST shows which worker holds which connection */
 	(void)snprintf(cname, sizeof(cname), "rolloutd:%s", q->worker);
-	co.host = q->host;
-	co.port = q->port;
-	co.path = q->path;
-	co.user = q->user;
-	co.password = q->password;
-	co.db = q->db;
+	co.url = &q->url;
+	co.password = o->password;
+	co.sentinel_password = o->sentinel_password;
+	co.tls_ca = o->tls_ca;
+	co.tls_cert = o->tls_cert;
+	co.tls_key = o->tls_key;
+	co.tls_server_name = o->tls_server_name;
+	co.cluster = o->cluster;
+	co.slot_key = q->prefix;
 	co.client_name = cname;
 	co.timeout_ms = q->o.timeout_ms;
 	co.library = ro_queue_scripts_lua;
 	co.library_version = ro_queue_scripts_version;
 	co.after_send = o->after_send;
 	co.after_send_arg = o->after_send_arg;
-	r = ro_conn_new(&co, &q->conn);
+	if (!q->o.wait_timeout_ms)
+		q->o.wait_timeout_ms = 1000;
+	r = ro_conn_new(&co, &q->conn, q->err, sizeof(q->err));
 	if (r)
 		goto out_free;
 	q->o.url = NULL; /* borrowed strings are not kept */
 	q->o.queue = q->o.prefix = q->o.worker = NULL;
+	q->o.password = q->o.sentinel_password = NULL;
+	q->o.tls_ca = q->o.tls_cert = q->o.tls_key = q->o.tls_server_name = NULL;
 	*ret = q;
 	return 0;
 out_free:
@@ -327,10 +265,9 @@ struct ro_queue *ro_queue_free(struct ro_queue *q)
 	if (!q)
 		return NULL;
 	q->conn = ro_conn_free(q->conn);
-	free(q->host);
-	free(q->path);
-	free(q->user);
-	free(q->password);
+	if (q->url.password)
+		explicit_bzero(q->url.password, strlen(q->url.password));
+	ro_redis_url_clear(&q->url);
 	free(q->prefix);
 	free(q->worker);
 	free(q);
@@ -418,12 +355,29 @@ static void op_reply(void *arg, int r, redisReply *rep, const char *why, int64_t
 	if (--op->stages > 0)
 		return;
 	op->res.msg = op->msg;
-	op->done(op->arg, &op->res);
+	if (op->done)
+		op->done(op->arg, &op->res);
 	result_clear(&op->res);
 	if (op->raw)
 		freeReplyObject(op->raw);
 	free(op->group);
 	free(op);
+}
+
+/* With redis-wait-replicas, the writes whose loss in a failover would cost more than a
+ * repeat are confirmed only once replicated: a unit enqueued, a sample published, a unit
+ * completed or requeued with its checkpoints. */
+static uint32_t wait_for(const struct ro_queue *q, const struct args *a)
+{
+	static const char *const waited[] = {"ro_enqueue", "ro_publish", "ro_complete",
+					     "ro_requeue"};
+
+	if (!q->o.wait_replicas || a->n < 2 || strcmp(a->v[0], "FCALL"))
+		return 0;
+	for (size_t i = 0; i < sizeof(waited) / sizeof(waited[0]); i++)
+		if (!strcmp(a->v[1], waited[i]))
+			return q->o.wait_replicas;
+	return 0;
 }
 
 /* Send a built command as an operation that ends within timeout_ms. */
@@ -447,7 +401,7 @@ static int submit_blocking(struct ro_queue *q, struct args *a,
 	op->stages = 1;
 	r = ro_conn_send(q->conn, (int)a->n, a->v, a->len,
 			 mono_ms() + (cb->timeout_ms ? cb->timeout_ms : q->o.retry_ms), block_ms,
-			 op_reply, op);
+			 wait_for(q, a), q->o.wait_timeout_ms, op_reply, op);
 	if (r) {
 		free(op);
 		return fail(q, r, "out of memory");
@@ -602,6 +556,69 @@ const char *ro_queue_conn_errmsg(const struct ro_queue *q)
 bool ro_queue_connected(const struct ro_queue *q)
 {
 	return ro_conn_ready(q->conn);
+}
+
+int ro_queue_fatal(const struct ro_queue *q)
+{
+	return ro_conn_fatal(q->conn);
+}
+
+const char *ro_queue_mode(const struct ro_queue *q)
+{
+	return ro_conn_mode(q->conn);
+}
+
+const char *ro_queue_node(const struct ro_queue *q)
+{
+	return ro_conn_node(q->conn);
+}
+
+uint64_t ro_queue_redirects(const struct ro_queue *q)
+{
+	return ro_conn_redirects(q->conn);
+}
+
+int ro_queue_check(struct ro_queue *q, uint32_t timeout_ms)
+{
+	struct waiter w = {.q = q};
+	struct ro_queue_cb cb = {waiter_done, &w, timeout_ms};
+	struct args a = {0};
+	int r;
+
+	args_str(&a, "PING");
+	r = submit(q, &a, NULL, 0, &cb, &w.op);
+	args_clear(&a);
+	if (r)
+		return r;
+	w.op->keep_raw = true;
+	/* a permanent cause ends the wait at once: its reply would only be the timeout */
+	while (!w.done && !ro_conn_fatal(q->conn)) {
+		struct pollfd p = {.fd = ro_conn_fd(q->conn), .events = ro_conn_events(q->conn)};
+		int64_t next = ro_conn_next_ms(q->conn), now = mono_ms();
+		int timeout = next < 0 ? 100 : next <= now ? 0 : (int)(next - now);
+
+		if (p.fd < 0) {
+			if (timeout)
+				sleep_ms(timeout);
+			p.revents = 0;
+		} else if (poll(&p, 1, timeout) < 0 && errno != EINTR) {
+			p.revents = POLLERR;
+		}
+		ro_conn_process(q->conn, p.revents);
+	}
+	if (!w.done) {
+		/* the PING stays queued: its callback must not outlive w */
+		r = ro_conn_fatal(q->conn);
+		w.op->done = NULL;
+		return fail(q, r, "%s", ro_conn_errmsg(q->conn));
+	}
+	result_clear(&w.res);
+	if (w.raw)
+		freeReplyObject(w.raw);
+	if (!w.res.r)
+		return 0;
+	r = ro_conn_fatal(q->conn);
+	return r ? fail(q, r, "%s", ro_conn_errmsg(q->conn)) : w.res.r;
 }
 
 /* ---- replies ---------------------------------------------------------------------- */
@@ -1463,8 +1480,8 @@ int ro_queue_backlog_async(struct ro_queue *q, const char *group, const struct r
 		op->parse_errors = true;
 		op->group = group ? strdup(group) : NULL;
 		r = ro_conn_send(q->conn, (int)b.n, b.v, b.len,
-				 mono_ms() + (cb->timeout_ms ? cb->timeout_ms : q->o.retry_ms), 0,
-				 op_reply, op);
+				 mono_ms() + (cb->timeout_ms ? cb->timeout_ms : q->o.retry_ms), 0, 0,
+				 0, op_reply, op);
 		if (r) /* the first reply then ends the operation */
 			op->stages = 1;
 	}
@@ -1780,4 +1797,22 @@ int ro_queue_ep_leave(struct ro_queue *q, const char *group, uint32_t rank)
 	(void)snprintf(field, sizeof(field), "%u", rank);
 	(void)cmd_int(q, &r, 3, argv);
 	return r;
+}
+
+int ro_queue_init_library(struct ro_queue *q)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	args_str(&a, "FUNCTION");
+	args_str(&a, "LOAD");
+	args_str(&a, "REPLACE");
+	args_str(&a, ro_queue_scripts_lua);
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	freeReplyObject(rep);
+	return 1;
 }

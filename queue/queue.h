@@ -29,21 +29,39 @@ struct ro_unit_bounds {
 /* Defaults: prompt 32768 tokens, n 64, max_new_tokens 32768, body 1 MiB. */
 void ro_unit_bounds_default(struct ro_unit_bounds *b);
 
+/* Redis Cluster routing: auto detects a cluster (CLUSTER SLOTS) on the first connect. */
+enum ro_redis_cluster { RO_REDIS_CLUSTER_AUTO, RO_REDIS_CLUSTER_YES, RO_REDIS_CLUSTER_NO };
+
 struct ro_queue_opts {
-	const char *url;     /* redis://host:port/db, redis://:pass@host:port, unix:///path?db=N */
+	/* redis://[user[:password]@]host[:port][/db], rediss://... (TLS), unix:///path[?db=N],
+	 * redis+sentinel://[user[:password]@]h1[:26379],h2.../MASTER[/db] (rediss+sentinel:
+	 * TLS), every part percent-decoded */
+	const char *url;
 	const char *queue;   /* queue name, the {q} of the key schema */
 	const char *prefix;  /* key prefix, default "ro" */
 	const char *worker;  /* this client's worker id (claimers only) */
-	uint32_t timeout_ms; /* socket timeout per command, default 5000 */
+	uint32_t timeout_ms; /* connect and reply timeout of one attempt, default 5000 */
 	uint32_t retry_ms;   /* total time one operation keeps reconnecting, default 10000 */
 	uint32_t max_attempts;	/* failed leases before a unit is dead-lettered, default 3 */
 	uint32_t worker_ttl_ms; /* heartbeat key lifetime, default 30000 */
 	struct ro_unit_bounds bounds;
+	/* Managed Redis. password beats the URL's; sentinel_password is the sentinels' own. */
+	const char *password, *sentinel_password;
+	/* TLS: CA file or directory (default: the system store), client cert + key (mTLS),
+	 * the name to send (SNI) and verify (default: the host of the URL or the node). */
+	const char *tls_ca, *tls_cert, *tls_key, *tls_server_name;
+	enum ro_redis_cluster cluster;
+	/* WAIT wait_replicas wait_timeout_ms after publish, complete and requeue: they are
+	 * only confirmed once that many replicas have them (0: off). */
+	uint32_t wait_replicas, wait_timeout_ms;
 	/* Test hook: called after a command was written, before its reply is read, with the
 	 * name of the function (or command) and the connection's socket. */
 	void (*after_send)(void *arg, const char *fn, int fd);
 	void *after_send_arg;
 };
+
+/* url with its password shown as *** (for logs, --print-config and status). */
+void ro_redis_url_redact(const char *url, char *out, size_t len);
 
 /* A unit as enqueued, after validation. Owned by the caller of ro_unit_parse(). */
 struct ro_unit {
@@ -123,6 +141,21 @@ struct ro_queue *ro_queue_free(struct ro_queue *q);
 const char *ro_queue_errmsg(const struct ro_queue *q);
 /* Times the connection was (re)established; a caller that holds leases rescans after one. */
 uint64_t ro_queue_connects(const struct ro_queue *q);
+/* Connect (bounded by timeout_ms): 0 once a command went through; -ETIMEDOUT or -EIO when
+ * Redis is merely unreachable (a retry may fix it); a permanent cause (wrong credentials or
+ * permissions -EACCES, TLS trust or a bad setting -EINVAL, no FUNCTION -ENOTSUP) otherwise,
+ * named by ro_queue_errmsg(). */
+int ro_queue_check(struct ro_queue *q, uint32_t timeout_ms);
+/* The last connection failure was permanent (see ro_queue_check): its -errno, else 0. */
+int ro_queue_fatal(const struct ro_queue *q);
+/* "standalone" | "cluster" | "sentinel" | "unknown", and the node in use (host:port). */
+const char *ro_queue_mode(const struct ro_queue *q);
+const char *ro_queue_node(const struct ro_queue *q);
+/* Redirections followed (MOVED, a new primary from the sentinels). */
+uint64_t ro_queue_redirects(const struct ro_queue *q);
+/* Load the function library (an admin's FUNCTION LOAD) on the queue's node: workers
+ * then need no right to load it. In a cluster, on every primary. Returns the nodes. */
+int ro_queue_init_library(struct ro_queue *q);
 
 /* Enqueue count units; ret_status[i] is 1 queued, 0 already queued with the same body,
  * -EEXIST the id exists with another body. */
