@@ -307,6 +307,8 @@ static int cmd_status(const struct ctl *c)
 		struct json_object *o = json_object_new_object(), *w = json_object_new_array();
 
 		json_object_object_add(o, "queue", json_object_new_string(c->queue));
+		json_object_object_add(o, "redis_mode", json_object_new_string(ro_queue_mode(q)));
+		json_object_object_add(o, "redis_node", json_object_new_string(ro_queue_node(q)));
 		json_object_object_add(o, "pending", json_object_new_int64(s.pending));
 		json_object_object_add(o, "leased", json_object_new_int64(s.leased));
 		json_object_object_add(o, "done", json_object_new_int64(s.done));
@@ -330,6 +332,7 @@ static int cmd_status(const struct ctl *c)
 		json_object_put(o);
 	} else {
 		(void)printf("queue    %s\n", c->queue);
+		(void)printf("redis    %s %s\n", ro_queue_mode(q), ro_queue_node(q));
 		(void)printf("pending  %lld\nleased   %lld\ndone     %lld\ndead     %lld\n",
 			     (long long)s.pending, (long long)s.leased, (long long)s.done,
 			     (long long)s.dead);

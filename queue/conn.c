@@ -801,6 +801,7 @@ __attribute__((format(printf, 4, 5))) static void conn_fail(struct ro_conn *c, i
 	(void)vsnprintf(c->err, sizeof(c->err), fmt, ap);
 	va_end(ap);
 	c->last_err = r;
+	c->fatal = 0;
 	drop_socket(c);
 	if (flags & F_REROUTE) {
 		c->owner = -1;
@@ -1219,6 +1220,14 @@ static void slots_reply(struct ro_conn *c, redisReply *rep)
 					   ro_conn_node(c), rep->str);
 				return;
 			}
+			c->mode = M_STANDALONE;
+			push_rest(c, &t);
+			handshake_done(c);
+			return;
+		}
+		if (starts(rep->str, "NOPERM") && c->o.cluster == RO_REDIS_CLUSTER_AUTO) {
+			/* a user without CLUSTER: take it as one server (a MOVED would still
+			 * switch to cluster routing) */
 			c->mode = M_STANDALONE;
 			push_rest(c, &t);
 			handshake_done(c);

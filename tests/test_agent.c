@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "kernels/model.h"
+#include "tests/agent_fixture.h"
 #include "tests/agent_model.h"
 #include "tests/mock_fixture.h"
 #include "tests/redis_hooks.h"
@@ -57,24 +58,6 @@ static void teardown(void)
 
 TestSuite(agent, .init = setup, .fini = teardown, .timeout = 120);
 
-static const char *bin(const char *env, const char *name)
-{
-	static char buf[2][512];
-	static int i;
-	const char *p = getenv(env);
-
-	i ^= 1;
-	if (p && *p)
-		return p;
-	(void)snprintf(buf[i], sizeof(buf[i]), "./%s", name);
-	return buf[i];
-}
-
-struct agent {
-	pid_t pid;
-	char name[32], sock[160], log[160], metrics[160];
-};
-
 /* The Redis the agents use: the binary's shared one, or a test's private one (a test that
  * stops or kills its server must not touch the one other tests share). */
 static const char *agent_redis;
@@ -85,113 +68,10 @@ static const char *redis_url(void)
 }
 
 /* Start rolloutd as worker `name` on queue q; extra flags after. */
-static void start(struct agent *ag, const char *name, const char *q, const char *const *extra,
-		  const char *const *env)
+static void start(struct ro_test_agent *ag, const char *name, const char *q,
+		  const char *const *extra, const char *const *env)
 {
-	const char *av[64];
-	size_t n = 0;
-	pid_t parent = getpid();
-
-	memset(ag, 0, sizeof(*ag));
-	(void)snprintf(ag->name, sizeof(ag->name), "%s", name);
-	(void)snprintf(ag->sock, sizeof(ag->sock), "%s/%s.sock", dir, name);
-	(void)snprintf(ag->log, sizeof(ag->log), "%s/%s.log", dir, name);
-	(void)snprintf(ag->metrics, sizeof(ag->metrics), "%s/%s.prom", dir, name);
-	av[n++] = bin("RO_ROLLOUTD", "rolloutd");
-	av[n++] = "--redis";
-	av[n++] = redis_url();
-	av[n++] = "--queue";
-	av[n++] = q;
-	av[n++] = "--model";
-	av[n++] = model;
-	av[n++] = "--worker-id";
-	av[n++] = name;
-	av[n++] = "--control-socket";
-	av[n++] = ag->sock;
-	av[n++] = "--metrics-file";
-	av[n++] = ag->metrics;
-	av[n++] = "--metrics-interval-ms";
-	av[n++] = "200";
-	av[n++] = "--status-interval-ms";
-	av[n++] = "200";
-	av[n++] = "--threads";
-	av[n++] = "1";
-	av[n++] = "--max-inflight";
-	av[n++] = "16";
-	av[n++] = "--log-level";
-	av[n++] = "debug";
-	for (size_t i = 0; extra && extra[i] && n < 62; i++)
-		av[n++] = extra[i];
-	av[n] = NULL;
-	ag->pid = fork();
-	cr_assert_geq(ag->pid, 0);
-	if (ag->pid == 0) {
-		int fd = open(ag->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-
-		(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent)
-			_exit(1);
-		for (size_t i = 0; env && env[i]; i += 2)
-			(void)setenv(env[i], env[i + 1], 1);
-		(void)dup2(fd, 2);
-		(void)dup2(fd, 1);
-		execv(av[0], (char *const *)av);
-		_exit(127);
-	}
-}
-
-/* Exit status (or -1 if still running after ms, then killed). */
-static int wait_exit(struct agent *ag, long ms)
-{
-	int st;
-
-	for (long t = 0; t <= ms; t += 20) {
-		if (waitpid(ag->pid, &st, WNOHANG) == ag->pid) {
-			ag->pid = 0;
-			return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-		}
-		ro_test_msleep(20);
-	}
-	(void)kill(ag->pid, SIGKILL);
-	(void)waitpid(ag->pid, &st, 0);
-	ag->pid = 0;
-	return -1;
-}
-
-static void dump_log(const struct agent *ag)
-{
-	char cmd[256];
-
-	(void)snprintf(cmd, sizeof(cmd), "tail -n 30 %s >&2", ag->log);
-	(void)system(cmd);
-}
-
-/* The daemon's status line through its control socket ("" when unreachable). */
-static const char *status(const struct agent *ag, const char *req)
-{
-	static char buf[2048];
-	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-	ssize_t n;
-
-	buf[0] = '\0';
-	strcpy(sa.sun_path, ag->sock);
-	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
-	    write(fd, req, strlen(req)) == (ssize_t)strlen(req) &&
-	    (n = read(fd, buf, sizeof(buf) - 1)) > 0)
-		buf[n] = '\0';
-	close(fd);
-	return buf;
-}
-
-static double field(const char *json, const char *key)
-{
-	char pat[64];
-	const char *p;
-
-	(void)snprintf(pat, sizeof(pat), "\"%s\":", key);
-	p = strstr(json, pat);
-	return p ? strtod(p + strlen(pat), NULL) : -1;
+	ro_test_agent_start(ag, dir, model, redis_url(), name, q, extra, env);
 }
 
 static void enqueue(const char *q, const char *prefix, int count, unsigned n, unsigned max_new,
@@ -311,20 +191,20 @@ static long same_samples(redisContext *c, const char *q, const char *ref, size_t
 static void reference_run(redisContext *c, const char *ref, int units, unsigned n,
 			  unsigned max_new, unsigned long_every, unsigned long_max)
 {
-	struct agent r;
+	struct ro_test_agent r;
 
 	enqueue(ref, "u", units, n, max_new, long_every, long_max);
 	start(&r, "ref", ref, (const char *const[]){"--imds", "false", NULL}, NULL);
 	cr_assert(wait_done(c, ref, units, 60000), "reference run did not finish");
 	kill(r.pid, SIGTERM);
-	cr_assert_eq(wait_exit(&r, 10000), 0);
+	cr_assert_eq(ro_test_agent_wait_exit(&r, 10000), 0);
 }
 
 Test(agent, two_agents_every_sample_once)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64];
-	struct agent a, b;
+	struct ro_test_agent a, b;
 
 	ro_test_name("e2e", q, sizeof(q));
 	enqueue(q, "u", 30, 4, 24, 0, 0);
@@ -333,8 +213,8 @@ Test(agent, two_agents_every_sample_once)
 	cr_assert(wait_done(c, q, 30, 60000), "not all units completed");
 	kill(a.pid, SIGTERM);
 	kill(b.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 10000), 0);
-	cr_expect_eq(wait_exit(&b, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 30, 4);
 	cr_expect_gt(ro_test_int(c, "XLEN ro:{%s}:groups", q), 0);
 	redisFree(c);
@@ -348,7 +228,7 @@ Test(agent, spot_notice_drains_before_the_deadline)
 	struct ro_test_mock mk = {0};
 	char q[64], ref[64], ep[96], fire[128];
 	const char *av[16];
-	struct agent a, b;
+	struct ro_test_agent a, b;
 	int64_t notice, exited;
 	size_t n = 0;
 	long resumed;
@@ -378,14 +258,14 @@ Test(agent, spot_notice_drains_before_the_deadline)
 	(void)snprintf(fire, sizeof(fire), "spot?in=0&time=%lld", (long long)(notice / 1000 + 1));
 	notice = (notice / 1000 + 1) * 1000;
 	free(ro_test_mock_ctl(&mk, fire));
-	cr_assert_eq(wait_exit(&a, 10000), 0, "the notified agent exits 0");
+	cr_assert_eq(ro_test_agent_wait_exit(&a, 10000), 0, "the notified agent exits 0");
 	exited = ro_test_wall_ms();
 	cr_expect_lt(exited, notice, "exited %lld ms before the notice time", (long long)(notice - exited));
 	cr_expect_gt(ro_test_int(c, "LLEN ro:{%s}:pending", q), 0, "requeued units wait at the head");
 	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
 	cr_assert(wait_done(c, q, 8, 60000), "the other agent completes the requeued units");
 	kill(b.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&b, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 8, 2);
 	resumed = same_samples(c, q, ref, 16);
 	cr_expect_gt(resumed, 0, "some samples resumed from a checkpointed prefix");
@@ -403,7 +283,7 @@ Test(agent, sigkill_loses_at_most_one_checkpoint_interval)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64], ref[64];
-	struct agent a, b;
+	struct ro_test_agent a, b;
 	double worst = 0;
 
 	ro_test_name("kill", q, sizeof(q));
@@ -416,8 +296,8 @@ Test(agent, sigkill_loses_at_most_one_checkpoint_interval)
 	      NULL);
 	/* sample the live bound a few times, then kill mid-run */
 	for (int i = 0; i < 20; i++) {
-		const char *st = status(&a, "status\n");
-		double u = field(st, "uncheckpointed_max");
+		const char *st = ro_test_agent_status(&a, "status\n");
+		double u = ro_test_json_field(st, "uncheckpointed_max");
 
 		if (u > worst)
 			worst = u;
@@ -427,11 +307,11 @@ Test(agent, sigkill_loses_at_most_one_checkpoint_interval)
 				"checkpoint (saw %.0f)",
 		      worst);
 	kill(a.pid, SIGKILL);
-	cr_expect_eq(wait_exit(&a, 5000), 128 + SIGKILL);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 5000), 128 + SIGKILL);
 	start(&b, "b", q, (const char *const[]){"--imds", "false", "--lease-ms", "2000", NULL}, NULL);
 	cr_assert(wait_done(c, q, 4, 60000), "the other agent finishes after lease expiry");
 	kill(b.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&b, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 4, 2);
 	cr_expect_gt(same_samples(c, q, ref, 8), 0, "resumed from checkpoints, bitwise the same");
 	redisFree(c);
@@ -442,7 +322,7 @@ static void drain_by(const char *how)
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	struct ro_test_mock mk = {0};
 	char q[64], ep[96];
-	struct agent a, b;
+	struct ro_test_agent a, b;
 	const char *extra[16] = {"--sigterm-grace-s", "1", "--drain-margin-ms", "0",
 				 "--notice-s", "1", NULL};
 	size_t n = 6;
@@ -467,7 +347,7 @@ static void drain_by(const char *how)
 	}
 	extra[n] = NULL;
 	start(&a, "a", q, extra, NULL);
-	for (int i = 0; i < 100 && field(status(&a, "status\n"), "in_flight") < 1; i++)
+	for (int i = 0; i < 100 && ro_test_json_field(ro_test_agent_status(&a, "status\n"), "in_flight") < 1; i++)
 		ro_test_msleep(50);
 	if (!strcmp(how, "sigterm")) {
 		kill(a.pid, SIGTERM);
@@ -475,22 +355,22 @@ static void drain_by(const char *how)
 		char cmd[512];
 
 		(void)snprintf(cmd, sizeof(cmd), "%s drain --deadline 1 --wait --socket %s >/dev/null",
-			       bin("RO_ROLLOUTCTL", "rolloutctl"), a.sock);
+			       ro_test_bin("RO_ROLLOUTCTL", "rolloutctl"), a.sock);
 		cr_expect_eq(system(cmd), 0, "rolloutctl drain --wait returns once drained");
 	} else if (!strcmp(how, "rebalance")) {
 		free(ro_test_mock_ctl(&mk, "rebalance?in=0"));
 	} else {
 		free(ro_test_mock_ctl(&mk, "lifecycle?state=Terminated"));
 	}
-	rc = wait_exit(&a, 15000);
+	rc = ro_test_agent_wait_exit(&a, 15000);
 	if (rc)
-		dump_log(&a);
+		ro_test_agent_dump_log(&a);
 	cr_expect_eq(rc, 0, "%s: the agent drains and exits 0", how);
 	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
 	/* bounded generously: on a busy 2-core box the other tests share the CPU */
 	cr_assert(wait_done(c, q, 6, 200000), "%s: the requeued units complete elsewhere", how);
 	kill(b.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&b, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 6, 2);
 	if (mk.pid)
 		ro_test_mock_stop(&mk);
@@ -521,7 +401,7 @@ Test(agent, rebalance_stop_claiming_and_ignore)
 {
 	struct ro_test_mock mk = {0};
 	char q[64], ep[96];
-	struct agent a, b;
+	struct ro_test_agent a, b;
 
 	ro_test_name("rebal", q, sizeof(q));
 	cr_assert_eq(ro_test_mock_start(&mk, 0, NULL), 0);
@@ -537,15 +417,15 @@ Test(agent, rebalance_stop_claiming_and_ignore)
 	ro_test_msleep(500);
 	free(ro_test_mock_ctl(&mk, "rebalance?in=0"));
 	ro_test_msleep(1500);
-	cr_expect(strstr(status(&a, "status\n"), "\"stop_claiming\":true"), "%s",
-		  status(&a, "status\n"));
-	cr_expect(strstr(status(&a, "status\n"), "\"state\":\"running\""));
-	cr_expect(strstr(status(&b, "status\n"), "\"stop_claiming\":false"));
-	cr_expect(strstr(status(&b, "status\n"), "\"state\":\"running\""));
+	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), "\"stop_claiming\":true"), "%s",
+		  ro_test_agent_status(&a, "status\n"));
+	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), "\"state\":\"running\""));
+	cr_expect(strstr(ro_test_agent_status(&b, "status\n"), "\"stop_claiming\":false"));
+	cr_expect(strstr(ro_test_agent_status(&b, "status\n"), "\"state\":\"running\""));
 	kill(a.pid, SIGTERM);
 	kill(b.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 10000), 0);
-	cr_expect_eq(wait_exit(&b, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_mock_stop(&mk);
 }
 
@@ -553,7 +433,7 @@ Test(agent, backpressure_stops_and_resumes_claims)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64];
-	struct agent a;
+	struct ro_test_agent a;
 	long done_then;
 
 	ro_test_name("bp", q, sizeof(q));
@@ -563,10 +443,10 @@ Test(agent, backpressure_stops_and_resumes_claims)
 	      (const char *const[]){"--imds", "false", "--high-water", "10", "--claim-batch", "1",
 				    "--max-inflight", "4", NULL},
 	      NULL);
-	for (int i = 0; i < 100 && !strstr(status(&a, "status\n"), "\"backpressure\":true"); i++)
+	for (int i = 0; i < 100 && !strstr(ro_test_agent_status(&a, "status\n"), "\"backpressure\":true"); i++)
 		ro_test_msleep(50);
-	cr_assert(strstr(status(&a, "status\n"), "\"backpressure\":true"), "%s",
-		  status(&a, "status\n"));
+	cr_assert(strstr(ro_test_agent_status(&a, "status\n"), "\"backpressure\":true"), "%s",
+		  ro_test_agent_status(&a, "status\n"));
 	ro_test_msleep(1500);
 	done_then = done_count(c, q);
 	ro_test_msleep(1000);
@@ -589,7 +469,7 @@ Test(agent, backpressure_stops_and_resumes_claims)
 	}
 	cr_expect_eq(done_count(c, q), 40, "all units done once the trainer caught up");
 	kill(a.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
 	redisFree(c);
 }
 
@@ -598,7 +478,7 @@ Test(agent, notify_protocol_in_order)
 	char path[160], buf[4096], all[16384] = "", q[64];
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	int fd = socket(AF_UNIX, SOCK_DGRAM, 0);
-	struct agent a;
+	struct ro_test_agent a;
 	const char *ready, *status_, *wd, *stopping;
 
 	ro_test_name("notify", q, sizeof(q));
@@ -659,7 +539,7 @@ static int run_cmd(const char *cmd, char *out, size_t len)
 Test(agent, bad_config_is_an_error_naming_it)
 {
 	char cmd[1024], out[8192], conf[160];
-	const char *d = bin("RO_ROLLOUTD", "rolloutd");
+	const char *d = ro_test_bin("RO_ROLLOUTD", "rolloutd");
 	FILE *f;
 
 	(void)snprintf(cmd, sizeof(cmd), "%s --model %s --no-such-thing 1 2>&1", d, model);
@@ -704,7 +584,7 @@ Test(agent, bad_units_dead_lettered_with_reasons_policy_respected)
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	struct ro_queue *qq;
 	char q[64];
-	struct agent a;
+	struct ro_test_agent a;
 	static const char *const bad[] = {
 	    "{\"id\":\"vocab\",\"prompt\":[1,5000],\"n\":1,\"max_new_tokens\":4}",
 	    "{\"id\":\"toolong\",\"prompt\":[1,2],\"n\":1,\"max_new_tokens\":900}",
@@ -744,12 +624,12 @@ Test(agent, bad_units_dead_lettered_with_reasons_policy_respected)
 	/* the unit needing a newer policy is released, not run */
 	cr_expect_eq(ro_test_int(c, "LLEN ro:{%s}:pending", q), 1);
 	kill(a.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
 	start(&a, "a2", q, (const char *const[]){"--imds", "false", "--policy-version", "5", NULL},
 	      NULL);
 	cr_expect(wait_done(c, q, 2, 20000), "a worker with new enough weights runs it");
 	kill(a.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
 	ro_queue_free(qq);
 	redisFree(c);
 }
@@ -776,18 +656,10 @@ static int children(pid_t pid, pid_t *out, int max)
 	return n;
 }
 
-static bool log_has(const struct agent *ag, const char *what)
-{
-	char cmd[512];
-
-	(void)snprintf(cmd, sizeof(cmd), "grep -q '%s' %s", what, ag->log);
-	return system(cmd) == 0;
-}
-
 /* Until a rank of the group has claimed a unit (at most 10 s), and half a second more. */
-static void wait_working(const struct agent *g)
+static void wait_working(const struct ro_test_agent *g)
 {
-	for (int i = 0; i < 200 && !log_has(g, "claimed u-"); i++)
+	for (int i = 0; i < 200 && !ro_test_agent_log_has(g, "claimed u-"); i++)
 		ro_test_msleep(50);
 	ro_test_msleep(500);
 }
@@ -805,7 +677,7 @@ Test(agent, ep_groups_equal_single_rank, .timeout = 240)
 	reference_run(c, ref, units, n, max_new, 0, 0);
 	for (int w = 2; w <= 4; w += 2) {
 		char q[64], ranks[8];
-		struct agent g;
+		struct ro_test_agent g;
 		struct smp *s;
 		size_t ns;
 		bool rank_seen[4] = {0};
@@ -819,18 +691,18 @@ Test(agent, ep_groups_equal_single_rank, .timeout = 240)
 					    "--max-inflight", "4", "--claim-batch", "1", NULL},
 		      fi_env);
 		if (!wait_done(c, q, units, 120000)) {
-			dump_log(&g);
+			ro_test_agent_dump_log(&g);
 			cr_assert_fail("EP=%d: not all units completed", w);
 		}
 		{
-			const char *st = status(&g, "status\n");
+			const char *st = ro_test_agent_status(&g, "status\n");
 
-			cr_expect(strstr(st, "\"ep\":{\"group\":") && field(st, "exchanges") > 0,
+			cr_expect(strstr(st, "\"ep\":{\"group\":") && ro_test_json_field(st, "exchanges") > 0,
 				  "EP=%d: status --local shows the group and its exchanges: %s", w,
 				  st);
 		}
 		kill(g.pid, SIGTERM);
-		cr_expect_eq(wait_exit(&g, 20000), 0, "EP=%d: the group drains and exits 0", w);
+		cr_expect_eq(ro_test_agent_wait_exit(&g, 20000), 0, "EP=%d: the group drains and exits 0", w);
 		ro_test_verify_exactly_once(c, q, units, n);
 		(void)same_samples(c, q, ref, (size_t)units * n);
 		ns = read_samples(c, q, &s);
@@ -852,7 +724,7 @@ Test(agent, ep_group_sum_combine_bf16, .timeout = 180)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64];
-	struct agent g;
+	struct ro_test_agent g;
 
 	ro_test_name("epsum", q, sizeof(q));
 	enqueue(q, "u", 6, 2, scaled(30), 0, 0);
@@ -862,11 +734,11 @@ Test(agent, ep_group_sum_combine_bf16, .timeout = 180)
 				    "--ep-combine-dtype", "bf16", "--max-inflight", "4", NULL},
 	      fi_env);
 	if (!wait_done(c, q, 6, 90000)) {
-		dump_log(&g);
+		ro_test_agent_dump_log(&g);
 		cr_assert_fail("not all units completed");
 	}
 	kill(g.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&g, 20000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&g, 20000), 0);
 	ro_test_verify_exactly_once(c, q, 6, 2);
 	redisFree(c);
 }
@@ -876,7 +748,7 @@ Test(agent, ep_group_drains_together, .timeout = 240)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64], cmd[512];
-	struct agent g, b;
+	struct ro_test_agent g, b;
 	int rc;
 
 	ro_test_name("epdrain", q, sizeof(q));
@@ -888,17 +760,17 @@ Test(agent, ep_group_drains_together, .timeout = 240)
 	      fi_env);
 	wait_working(&g);
 	(void)snprintf(cmd, sizeof(cmd), "%s drain --deadline 2 --socket %s.rank1 >/dev/null",
-		       bin("RO_ROLLOUTCTL", "rolloutctl"), g.sock);
+		       ro_test_bin("RO_ROLLOUTCTL", "rolloutctl"), g.sock);
 	cr_assert_eq(system(cmd), 0, "rolloutctl drain to rank 1");
-	rc = wait_exit(&g, 30000);
+	rc = ro_test_agent_wait_exit(&g, 30000);
 	if (rc)
-		dump_log(&g);
+		ro_test_agent_dump_log(&g);
 	cr_expect_eq(rc, 0, "every rank drains and the group exits 0");
-	cr_expect(log_has(&g, "group drain from rank 1"), "ranks 0 and 2 drained with rank 1");
+	cr_expect(ro_test_agent_log_has(&g, "group drain from rank 1"), "ranks 0 and 2 drained with rank 1");
 	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
 	cr_assert(wait_done(c, q, 9, 120000), "the requeued units complete elsewhere");
 	kill(b.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&b, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 9, 2);
 	redisFree(c);
 }
@@ -909,7 +781,7 @@ Test(agent, ep_rank_killed_fails_fast, .timeout = 240)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64];
-	struct agent g, b;
+	struct ro_test_agent g, b;
 	pid_t kids[8];
 	int nk = 0, rc;
 	int64_t t0;
@@ -928,19 +800,19 @@ Test(agent, ep_rank_killed_fails_fast, .timeout = 240)
 	cr_assert_eq(nk, 3, "three ranks running");
 	t0 = ro_test_wall_ms();
 	kill(kids[2], SIGKILL);
-	rc = wait_exit(&g, 20000);
+	rc = ro_test_agent_wait_exit(&g, 20000);
 	cr_expect(rc != 0 && rc != -1, "the group exits non-zero for its supervisor (got %d)", rc);
 	cr_expect_lt(ro_test_wall_ms() - t0, 15000, "the others noticed within the timeout");
-	cr_expect(log_has(&g, "expert-parallel group failed: .*rank"),
+	cr_expect(ro_test_agent_log_has(&g, "expert-parallel group failed: .*rank"),
 		  "the error names the late rank");
-	cr_expect(log_has(&g, "requeued u-"), "the surviving ranks requeued what they held");
-	if (!log_has(&g, "expert-parallel group failed"))
-		dump_log(&g);
+	cr_expect(ro_test_agent_log_has(&g, "requeued u-"), "the surviving ranks requeued what they held");
+	if (!ro_test_agent_log_has(&g, "expert-parallel group failed"))
+		ro_test_agent_dump_log(&g);
 	start(&b, "b", q, (const char *const[]){"--imds", "false", "--lease-ms", "3000", NULL},
 	      NULL);
 	cr_assert(wait_done(c, q, 9, 120000), "everything completes elsewhere");
 	kill(b.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&b, 10000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 9, 2);
 	redisFree(c);
 }
@@ -1013,7 +885,7 @@ Test(agent, long_prefills_keep_their_leases, .timeout = 240)
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	const unsigned len = scaled(3000);
 	char q[64];
-	struct agent a;
+	struct ro_test_agent a;
 
 	ro_test_name("prefill", q, sizeof(q));
 	for (int i = 0; i < 4; i++) {
@@ -1029,13 +901,13 @@ Test(agent, long_prefills_keep_their_leases, .timeout = 240)
 				    "--prefill-chunk", "256", NULL},
 	      NULL);
 	if (!wait_done(c, q, 4, 180000))
-		dump_log(&a);
+		ro_test_agent_dump_log(&a);
 	cr_assert_eq(done_count(c, q), 4, "every unit completes");
 	cr_expect_eq(dead_count(c, q), 0, "none dead-lettered");
-	cr_expect_eq(field(status(&a, "status\n"), "lease_losses"), 0, "%s", status(&a, "status\n"));
+	cr_expect_eq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "lease_losses"), 0, "%s", ro_test_agent_status(&a, "status\n"));
 	(void)ro_test_verify_exactly_once(c, q, 4, 2);
 	kill(a.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 30000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
 
@@ -1047,7 +919,7 @@ static void drain_without_redis(bool kill_it)
 	struct ro_test_redis r;
 	redisContext *c;
 	char q[64];
-	struct agent a, b;
+	struct ro_test_agent a, b;
 	int64_t t0, took;
 
 	cr_assert_eq(ro_test_redis_start(&r, true), 0); /* AOF: a killed server comes back whole */
@@ -1060,22 +932,22 @@ static void drain_without_redis(bool kill_it)
 				    "--drain-margin-ms", "2000", "--lease-ms", "10000",
 				    "--checkpoint-tokens", "8", NULL},
 	      NULL);
-	for (int i = 0; i < 400 && field(status(&a, "status\n"), "in_flight") < 1; i++)
+	for (int i = 0; i < 400 && ro_test_json_field(ro_test_agent_status(&a, "status\n"), "in_flight") < 1; i++)
 		ro_test_msleep(25);
-	cr_assert_geq(field(status(&a, "status\n"), "in_flight"), 1, "working");
+	cr_assert_geq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "in_flight"), 1, "working");
 	if (kill_it)
 		ro_test_redis_kill(&r);
 	else
 		(void)kill(r.pid, SIGSTOP);
 	t0 = ro_test_mono_ms();
 	(void)kill(a.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 30000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	took = ro_test_mono_ms() - t0;
 	/* the promise is 6 s; the second more is for the process's own exit on a busy box */
 	cr_expect_leq(took, 7000, "exited %lld ms after SIGTERM (due within 6000)",
 		      (long long)took);
-	if (!log_has(&a, "hard deadline passed")) {
-		dump_log(&a);
+	if (!ro_test_agent_log_has(&a, "hard deadline passed")) {
+		ro_test_agent_dump_log(&a);
 		cr_expect_fail("says what it left behind");
 	}
 	if (kill_it)
@@ -1086,11 +958,11 @@ static void drain_without_redis(bool kill_it)
 	c = ro_test_redis_connect(r.url);
 	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
 	if (!wait_done(c, q, 6, 120000))
-		dump_log(&b);
+		ro_test_agent_dump_log(&b);
 	cr_assert_eq(done_count(c, q), 6);
 	(void)ro_test_verify_exactly_once(c, q, 6, 2);
 	kill(b.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&b, 30000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&b, 30000), 0);
 	redisFree(c);
 	ro_test_redis_stop(&r);
 	agent_redis = NULL;
@@ -1127,7 +999,7 @@ Test(agent, control_socket_flood_and_exact_commands, .timeout = 180)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64], buf[2048];
-	struct agent a;
+	struct ro_test_agent a;
 	int idle[64], fd;
 	double before;
 	ssize_t n;
@@ -1135,17 +1007,17 @@ Test(agent, control_socket_flood_and_exact_commands, .timeout = 180)
 	ro_test_name("flood", q, sizeof(q));
 	enqueue(q, "u", 40, 4, scaled(64), 0, 0);
 	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
-	for (int i = 0; i < 400 && field(status(&a, "status\n"), "in_flight") < 1; i++)
+	for (int i = 0; i < 400 && ro_test_json_field(ro_test_agent_status(&a, "status\n"), "in_flight") < 1; i++)
 		ro_test_msleep(25);
 	for (int i = 0; i < 64; i++) {
 		idle[i] = connect_to(a.sock, true);
 		cr_assert_geq(idle[i], 0, "connection %d taken at once", i);
 	}
-	before = field(status(&a, "status\n"), "published");
+	before = ro_test_json_field(ro_test_agent_status(&a, "status\n"), "published");
 	cr_assert_geq(before, 0, "answers beside 64 idle clients");
-	for (int i = 0; i < 600 && field(status(&a, "status\n"), "published") < before + 10; i++)
+	for (int i = 0; i < 600 && ro_test_json_field(ro_test_agent_status(&a, "status\n"), "published") < before + 10; i++)
 		ro_test_msleep(25);
-	cr_expect_geq(field(status(&a, "status\n"), "published"), before + 10,
+	cr_expect_geq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "published"), before + 10,
 		      "still publishing beside 64 idle clients");
 	for (int i = 0; i < 64; i++) { /* none of them was dropped meanwhile */
 		char x;
@@ -1163,13 +1035,13 @@ Test(agent, control_socket_flood_and_exact_commands, .timeout = 180)
 	cr_expect(strstr(buf, "\"state\":\"running\""), "%s", buf);
 	close(fd);
 	/* a line that merely begins with "drain" is not a drain */
-	cr_expect(strstr(status(&a, "drainage please\n"), "unknown command"));
-	cr_expect(strstr(status(&a, "drain now\n"), "error"));
-	cr_expect(strstr(status(&a, "status\n"), "\"state\":\"running\""), "not draining");
+	cr_expect(strstr(ro_test_agent_status(&a, "drainage please\n"), "unknown command"));
+	cr_expect(strstr(ro_test_agent_status(&a, "drain now\n"), "error"));
+	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), "\"state\":\"running\""), "not draining");
 	for (int i = 0; i < 64; i++)
 		close(idle[i]);
 	kill(a.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 30000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
 
@@ -1179,7 +1051,7 @@ Test(agent, restart_with_same_worker_id_resumes_held_units, .timeout = 240)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64];
-	struct agent a;
+	struct ro_test_agent a;
 
 	ro_test_name("held", q, sizeof(q));
 	enqueue(q, "u", 4, 2, scaled(300), 0, 0);
@@ -1191,13 +1063,13 @@ Test(agent, restart_with_same_worker_id_resumes_held_units, .timeout = 240)
 		ro_test_msleep(25);
 	cr_assert_eq(ro_test_int(c, "ZCARD ro:{%s}:leases", q), 4, "holds all four");
 	kill(a.pid, SIGKILL);
-	(void)wait_exit(&a, 10000);
+	(void)ro_test_agent_wait_exit(&a, 10000);
 	start(&a, "w", q, (const char *const[]){"--imds", "false", "--lease-ms", "120000", NULL},
 	      NULL);
 	if (!wait_done(c, q, 4, 90000))
-		dump_log(&a);
+		ro_test_agent_dump_log(&a);
 	cr_assert_eq(done_count(c, q), 4, "done well before the old leases expire");
-	cr_expect(log_has(&a, "still holds 4 units"), "resumed what it held");
+	cr_expect(ro_test_agent_log_has(&a, "still holds 4 units"), "resumed what it held");
 	for (int i = 0; i < 4; i++) {
 		char id[16], *att;
 
@@ -1208,7 +1080,7 @@ Test(agent, restart_with_same_worker_id_resumes_held_units, .timeout = 240)
 	}
 	(void)ro_test_verify_exactly_once(c, q, 4, 2);
 	kill(a.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 30000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
 
@@ -1223,7 +1095,7 @@ Test(agent, bad_checkpoints_restart_their_samples, .timeout = 180)
 	float lp2[2] = {-0.5f, -0.25f}, lp1[1] = {-1.0f};
 	struct ro_progress p0 = {0, 2, big, lp2, 2, 0}, p1 = {1, 1, neg, lp1, 1, 0};
 	char *e0 = ro_progress_encode(&p0), *e1 = ro_progress_encode(&p1);
-	struct agent a;
+	struct ro_test_agent a;
 
 	ro_test_name("badckpt", q, sizeof(q));
 	ro_test_name("badref", ref, sizeof(ref));
@@ -1234,13 +1106,13 @@ Test(agent, bad_checkpoints_restart_their_samples, .timeout = 180)
 	free(e1);
 	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
 	if (!wait_done(c, q, 1, 60000))
-		dump_log(&a);
+		ro_test_agent_dump_log(&a);
 	cr_assert_eq(done_count(c, q), 1);
 	cr_expect_eq(same_samples(c, q, ref, 2), 0, "started over, not resumed");
-	cr_expect(log_has(&a, "checkpoint discarded"));
-	cr_expect_eq(field(status(&a, "status\n"), "claimed"), 1, "claimed once, no loop");
+	cr_expect(ro_test_agent_log_has(&a, "checkpoint discarded"));
+	cr_expect_eq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "claimed"), 1, "claimed once, no loop");
 	kill(a.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 30000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
 
@@ -1250,7 +1122,7 @@ Test(agent, unit_too_big_for_memory_is_dead_lettered, .timeout = 120)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64], *js, *why;
-	struct agent a;
+	struct ro_test_agent a;
 
 	ro_test_name("toobig", q, sizeof(q));
 	js = unit_json("big", 16000, 64, 1 << 24, 1);
@@ -1261,14 +1133,14 @@ Test(agent, unit_too_big_for_memory_is_dead_lettered, .timeout = 120)
 				    "16000", "--max-new-tokens", "16777216", NULL},
 	      NULL);
 	if (!wait_dead(c, q, 1, 60000))
-		dump_log(&a);
+		ro_test_agent_dump_log(&a);
 	cr_assert_eq(dead_count(c, q), 1);
 	why = hget(c, q, "big", "reason");
 	cr_expect(strstr(why, "MiB available") && strstr(why, "attempt 2 of 2"), "%s", why);
 	free(why);
-	cr_expect_eq(field(status(&a, "status\n"), "claimed"), 2, "two attempts, no loop");
+	cr_expect_eq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "claimed"), 2, "two attempts, no loop");
 	kill(a.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 30000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
 
@@ -1281,7 +1153,7 @@ Test(agent, inconsistent_unit_records_are_dead_lettered, .timeout = 120)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64], *why;
-	struct agent a;
+	struct ro_test_agent a;
 
 	ro_test_name("badrec", q, sizeof(q));
 	enqueue(q, "u", 2, 2, scaled(16), 0, 0);
@@ -1290,7 +1162,7 @@ Test(agent, inconsistent_unit_records_are_dead_lettered, .timeout = 120)
 	start(&a, "a", q, (const char *const[]){"--imds", "false", "--max-attempts", "2", NULL},
 	      NULL);
 	if (!wait_dead(c, q, 2, 60000))
-		dump_log(&a);
+		ro_test_agent_dump_log(&a);
 	cr_assert_eq(dead_count(c, q), 2);
 	why = hget(c, q, "u-0", "reason");
 	cr_expect(strstr(why, "says n=3"), "%s", why);
@@ -1299,8 +1171,8 @@ Test(agent, inconsistent_unit_records_are_dead_lettered, .timeout = 120)
 	cr_expect(strstr(why, "INCOMPLETE") && strstr(why, "attempt 2 of 2"), "%s", why);
 	free(why);
 	cr_expect_eq(done_count(c, q), 0, "nothing taken for a success");
-	cr_expect_eq(field(status(&a, "status\n"), "claimed"), 3, "u-0 once, u-1 per attempt");
+	cr_expect_eq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "claimed"), 3, "u-0 once, u-1 per attempt");
 	kill(a.pid, SIGTERM);
-	cr_expect_eq(wait_exit(&a, 30000), 0);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }

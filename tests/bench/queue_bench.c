@@ -3,7 +3,7 @@
  * groups (XREADGROUP, XADD, XACK), on one local redis-server, with 1, 4 and 16 client
  * processes. Prints units/s, p50/p99 per operation and the ratio, in the same run.
  *
- *   queue_bench [--units N] [--n SAMPLES] [--clients 1,4,16]
+ *   queue_bench [--units N] [--n SAMPLES] [--clients 1,4,16] [--transports 16]
  *
  * Two shapes: "one by one" publishes each sample in its own round trip (samples finish
  * at different decode steps); "batched" sends the n samples (and the completion, or the
@@ -29,6 +29,8 @@ struct lat {
 };
 
 static struct ro_test_redis S;
+/* where the rolloutd cycle runs (the transports section changes it) */
+static struct ro_queue_opts Q = {.timeout_ms = 3000, .retry_ms = 15000, .max_attempts = 3};
 static unsigned n_samples = 4;
 static bool profile;
 static long n_units = 2000;
@@ -73,13 +75,28 @@ static const float LP[16] = {-0.5f, -0.25f, -1.5f, -2.0f, -0.5f, -0.25f, -1.5f, 
 
 /* ---- the rolloutd queue --------------------------------------------------------- */
 
+static struct ro_queue *open_q(const char *queue, const char *worker)
+{
+	struct ro_queue_opts o = Q;
+	struct ro_queue *q = NULL;
+
+	o.url = Q.url ? Q.url : S.url;
+	o.queue = queue;
+	o.worker = worker;
+	if (ro_queue_new(&o, &q)) {
+		(void)fprintf(stderr, "queue_bench: %s\n", ro_queue_errmsg(NULL));
+		abort();
+	}
+	return q;
+}
+
 static void ours_client(const char *queue, int id, bool batched, struct lat *l)
 {
 	char w[32];
 	struct ro_queue *q;
 
 	(void)snprintf(w, sizeof(w), "bench%d", id);
-	q = ro_test_queue(S.url, queue, w, 3);
+	q = open_q(queue, w);
 	for (;;) {
 		struct ro_claim *c;
 		size_t n;
@@ -128,7 +145,7 @@ static void ours_client(const char *queue, int id, bool batched, struct lat *l)
 
 static void ours_setup(const char *queue)
 {
-	struct ro_queue *q = ro_test_queue(S.url, queue, "producer", 3);
+	struct ro_queue *q = open_q(queue, "producer");
 
 	ro_test_enqueue(q, "b", 0, (int)n_units, n_samples, false);
 	ro_queue_free(q);
@@ -237,10 +254,11 @@ struct result {
 	double p50[OP_N], p99[OP_N];
 };
 
+static int run_round; /* run()'s queues are "<name>-<run_round>" */
+
 static struct result run(const char *name, void (*setup)(const char *), client_fn client,
 			 int clients, bool batched)
 {
-	static int round;
 	char queue[64], path[256];
 	int go[2];
 	pid_t pid[64];
@@ -248,7 +266,7 @@ static struct result run(const char *name, void (*setup)(const char *), client_f
 	struct result res = {0};
 	int64_t t0, t1;
 
-	(void)snprintf(queue, sizeof(queue), "%s-%d", name, round++);
+	(void)snprintf(queue, sizeof(queue), "%s-%d", name, run_round++);
 	setup(queue);
 	if (pipe(go))
 		abort();
@@ -371,10 +389,56 @@ static void print_profile(void)
 	redisFree(c);
 }
 
+/* The one-by-one cycle at `clients` clients over managed Redis's transports, against
+ * plain TCP to one server in the same run: TLS (a server with certificates made here), a
+ * Redis Cluster node (3 primaries + 3 replicas: the client seeded at a node that does not
+ * own the queue's slot), and the cluster with redis-wait-replicas 1 (every publish and
+ * completion confirmed by a replica). */
+static void print_transports(int clients)
+{
+	static struct ro_test_cluster c;
+	struct ro_test_redis t;
+	struct ro_test_redis_opts to = {.tls = true};
+	struct result plain, tls, cl, clw;
+	char seed[96];
+	int owner;
+
+	if (ro_test_redis_start_opts(&t, &to) || ro_test_cluster_start(&c, 3, 1)) {
+		(void)fprintf(stderr, "queue_bench: the TLS server or the cluster did not start\n");
+		exit(1);
+	}
+	Q.url = NULL;
+	plain = run("tcp", ours_setup, ours_client, clients, false);
+	Q.url = t.url;
+	Q.tls_ca = t.ca;
+	tls = run("tls", ours_setup, ours_client, clients, false);
+	Q.tls_ca = NULL;
+	/* the queue run() makes next ("cl-N") decides the owner: seed at another node */
+	(void)snprintf(seed, sizeof(seed), "cl-%d", run_round);
+	owner = ro_test_cluster_owner(&c, seed);
+	(void)snprintf(seed, sizeof(seed), "%s", c.node[(owner + 1) % c.n].url);
+	Q.url = seed;
+	cl = run("cl", ours_setup, ours_client, clients, false);
+	Q.wait_replicas = 1;
+	Q.wait_timeout_ms = 5000;
+	clw = run("cl", ours_setup, ours_client, clients, false);
+	Q.wait_replicas = 0;
+	Q.url = NULL;
+	(void)printf("\ntransports (rolloutd cycle, one by one, %d clients; ratio against plain TCP "
+		     "in this run):\n",
+		     clients);
+	print_row("plain TCP", clients, &plain, 1);
+	print_row("TLS (OpenSSL, TLS 1.3)", clients, &tls, tls.units_per_s / plain.units_per_s);
+	print_row("cluster node, via a seed", clients, &cl, cl.units_per_s / plain.units_per_s);
+	print_row("cluster, wait-replicas 1", clients, &clw, clw.units_per_s / plain.units_per_s);
+	ro_test_cluster_stop(&c);
+	ro_test_redis_stop(&t);
+}
+
 int main(int argc, char **argv)
 {
 	int clients[8] = {1, 4, 16};
-	int n_clients = 3;
+	int n_clients = 3, transports = 0;
 
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--units") && i + 1 < argc) {
@@ -383,6 +447,8 @@ int main(int argc, char **argv)
 			n_samples = (unsigned)atoi(argv[++i]);
 		} else if (!strcmp(argv[i], "--profile")) {
 			profile = true;
+		} else if (!strcmp(argv[i], "--transports") && i + 1 < argc) {
+			transports = atoi(argv[++i]);
 		} else if (!strcmp(argv[i], "--clients") && i + 1 < argc) {
 			char *s = argv[++i], *tok, *save = NULL;
 
@@ -393,7 +459,8 @@ int main(int argc, char **argv)
 		} else {
 			(void)fprintf(
 			    stderr,
-			    "usage: queue_bench [--units N] [--n SAMPLES] [--clients 1,4,16]\n");
+			    "usage: queue_bench [--units N] [--n SAMPLES] [--clients 1,4,16] "
+			    "[--transports CLIENTS] [--profile]\n");
 			return 2;
 		}
 	}
@@ -457,6 +524,8 @@ int main(int argc, char **argv)
 	}
 	if (profile)
 		print_profile();
+	if (transports)
+		print_transports(transports);
 	(void)printf(
 	    "\nratio = rolloutd units/s / streams units/s at the same client count and shape;\n"
 	    "rolloutd also does leases, fencing tokens, idempotent publish and completion "
