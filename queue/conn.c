@@ -484,6 +484,9 @@ static int tls_setup(struct ro_conn *c, char *err, size_t errlen)
 	(void)SSL_CTX_set_min_proto_version(c->tls, TLS1_2_VERSION);
 	SSL_CTX_set_verify(c->tls, SSL_VERIFY_PEER, NULL);
 	SSL_CTX_set_mode(c->tls, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+	/* one read() takes what the socket has, not a record header and then its body:
+	 * what is buffered is then seen by SSL_has_pending, not by poll() */
+	SSL_CTX_set_read_ahead(c->tls, 1);
 	ERR_clear_error();
 	if (o->tls_ca && *o->tls_ca) {
 		struct stat st;
@@ -1611,7 +1614,7 @@ static void do_read(struct ro_conn *c)
 			if (c->fd < 0)
 				return;
 		}
-		if (!c->ssl && (size_t)n < sizeof(buf))
+		if ((size_t)n < sizeof(buf) && (!c->ssl || !SSL_has_pending(c->ssl)))
 			return;
 	}
 }
@@ -1716,8 +1719,8 @@ int64_t ro_conn_next_ms(const struct ro_conn *c)
 {
 	int64_t t = -1;
 
-	if (c->ssl && c->st >= S_HANDSHAKE && SSL_pending(c->ssl) > 0)
-		return mono_ms(); /* decrypted bytes wait inside OpenSSL, not on the socket */
+	if (c->ssl && c->st >= S_HANDSHAKE && SSL_has_pending(c->ssl))
+		return mono_ms(); /* bytes wait inside OpenSSL, not on the socket */
 	for (const struct cmd *m = c->head; m; m = m->next)
 		if (m->kind == K_USER && m->fn)
 			t = min_t(t, m->deadline);
@@ -1745,7 +1748,7 @@ void ro_conn_process(struct ro_conn *c, short revents)
 		tls_step(c);
 	}
 	if (c->fd >= 0 && c->st >= S_HANDSHAKE &&
-	    ((revents & (POLLIN | POLLHUP | POLLERR)) || (c->ssl && SSL_pending(c->ssl) > 0) ||
+	    ((revents & (POLLIN | POLLHUP | POLLERR)) || (c->ssl && SSL_has_pending(c->ssl)) ||
 	     (c->rd_want_wr && (revents & POLLOUT))))
 		do_read(c);
 	if (c->fd >= 0 && c->st >= S_HANDSHAKE)

@@ -822,8 +822,15 @@ static void failover_figures(bool sentinel, uint32_t wait, struct figures *f)
 
 	/* the primary dies, its replica is promoted, the old one comes back as a replica */
 	if (sentinel) {
+		char pstr[16];
+
 		cr_assert_eq(ro_test_sentinel_kill_primary(&s, &port), 0);
 		cr_assert_eq(ro_test_redis_restart(&s.replica), 0);
+		/* what the sentinels would do, in their own time (often 10 s and more) */
+		(void)snprintf(pstr, sizeof(pstr), "%d", port);
+		cr_assert_eq(ro_test_redis_cli(&s.replica, out, sizeof(out), "REPLICAOF", "127.0.0.1",
+					       pstr, NULL),
+			     0, "%s", out);
 		cr_assert_eq(ro_test_redis_wait_link(&s.replica, 30000), 0);
 	} else {
 		promoted = kill_and_promote(&c, pi, q);

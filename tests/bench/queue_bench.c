@@ -399,38 +399,58 @@ static void print_transports(int clients)
 	static struct ro_test_cluster c;
 	struct ro_test_redis t;
 	struct ro_test_redis_opts to = {.tls = true};
-	struct result plain, tls, cl, clw;
+	static const char *const label[4] = {"plain TCP", "TLS (OpenSSL, TLS 1.3)",
+					     "cluster node, via a seed", "cluster, wait-replicas 1"};
+	struct result res[4][3], med[4];
 	char seed[96];
-	int owner;
 
 	if (ro_test_redis_start_opts(&t, &to) || ro_test_cluster_start(&c, 3, 1)) {
 		(void)fprintf(stderr, "queue_bench: the TLS server or the cluster did not start\n");
 		exit(1);
 	}
-	Q.url = NULL;
-	plain = run("tcp", ours_setup, ours_client, clients, false);
-	Q.url = t.url;
-	Q.tls_ca = t.ca;
-	tls = run("tls", ours_setup, ours_client, clients, false);
-	Q.tls_ca = NULL;
-	/* the queue run() makes next ("cl-N") decides the owner: seed at another node */
-	(void)snprintf(seed, sizeof(seed), "cl-%d", run_round);
-	owner = ro_test_cluster_owner(&c, seed);
-	(void)snprintf(seed, sizeof(seed), "%s", c.node[(owner + 1) % c.n].url);
-	Q.url = seed;
-	cl = run("cl", ours_setup, ours_client, clients, false);
-	Q.wait_replicas = 1;
-	Q.wait_timeout_ms = 5000;
-	clw = run("cl", ours_setup, ours_client, clients, false);
-	Q.wait_replicas = 0;
-	Q.url = NULL;
-	(void)printf("\ntransports (rolloutd cycle, one by one, %d clients; ratio against plain TCP "
-		     "in this run):\n",
+	/* three rounds, the transports in turn, so that a busy moment of the machine does not
+	 * fall on one of them only; the median round is printed */
+	for (int round = 0; round < 3; round++) {
+		for (int k = 0; k < 4; k++) {
+			const char *name = k == 0 ? "tcp" : k == 1 ? "tls" : "cl";
+
+			Q = (struct ro_queue_opts){.timeout_ms = 3000, .retry_ms = 15000,
+						   .max_attempts = 3};
+			if (k == 1) {
+				Q.url = t.url;
+				Q.tls_ca = t.ca;
+			} else if (k >= 2) {
+				int owner;
+
+				/* the queue run() makes next decides the owner: seed elsewhere */
+				(void)snprintf(seed, sizeof(seed), "%s-%d", name, run_round);
+				owner = ro_test_cluster_owner(&c, seed);
+				(void)snprintf(seed, sizeof(seed), "%s", c.node[(owner + 1) % c.n].url);
+				Q.url = seed;
+				Q.wait_replicas = k == 3 ? 1 : 0;
+				Q.wait_timeout_ms = 5000;
+			}
+			res[k][round] = run(name, ours_setup, ours_client, clients, false);
+		}
+	}
+	Q = (struct ro_queue_opts){.timeout_ms = 3000, .retry_ms = 15000, .max_attempts = 3};
+	for (int k = 0; k < 4; k++) {
+		struct result *r = res[k];
+		int lo = 0, hi = 0;
+
+		for (int i = 1; i < 3; i++) {
+			if (r[i].units_per_s < r[lo].units_per_s)
+				lo = i;
+			if (r[i].units_per_s >= r[hi].units_per_s)
+				hi = i;
+		}
+		med[k] = r[lo == hi ? 0 : 3 - lo - hi];
+	}
+	(void)printf("\ntransports (rolloutd cycle, one by one, %d clients, median of 3 rounds; "
+		     "ratio against plain TCP in this run):\n",
 		     clients);
-	print_row("plain TCP", clients, &plain, 1);
-	print_row("TLS (OpenSSL, TLS 1.3)", clients, &tls, tls.units_per_s / plain.units_per_s);
-	print_row("cluster node, via a seed", clients, &cl, cl.units_per_s / plain.units_per_s);
-	print_row("cluster, wait-replicas 1", clients, &clw, clw.units_per_s / plain.units_per_s);
+	for (int k = 0; k < 4; k++)
+		print_row(label[k], clients, &med[k], med[k].units_per_s / med[0].units_per_s);
 	ro_test_cluster_stop(&c);
 	ro_test_redis_stop(&t);
 }
