@@ -911,3 +911,41 @@ Test(managed, failover_figures_sentinel)
 {
 	figures_for(true);
 }
+
+/* CLUSTER FAILOVER on the replica of a running agent's primary: the old primary, now a
+ * replica, answers MOVED and the agent follows at once; nothing charged, every unit once. */
+Test(managed, cluster_manual_failover)
+{
+	static struct ro_test_cluster c;
+	char q[64], want[32];
+	struct ro_test_agent a;
+	struct ro_queue *qq;
+	int owner, rep, units = 12;
+
+	cr_assert_eq(ro_test_cluster_start(&c, 3, 1), 0);
+	ro_test_name("mfo", q, sizeof(q));
+	owner = ro_test_cluster_owner(&c, q);
+	rep = ro_test_cluster_replica_of(&c, owner);
+	cr_assert_geq(rep, 0);
+	qq = open_q(c.node[owner].url, q, "enq", NULL);
+	enqueue(qq, "o", units, 2, scaled(300));
+	ro_test_agent_start(&a, dir, model, c.node[owner].url, "mfo", q,
+			    (const char *const[]){"--max-inflight", "4", "--claim-batch", "1", NULL},
+			    NULL);
+	for (int i = 0; i < 600 && agent_field(&a, "completed") < 2; i++)
+		ro_test_msleep(20);
+	cr_assert_eq(ro_test_cluster_manual_failover(&c, rep), 0);
+	if (!wait_done(qq, units, 120000))
+		ro_test_agent_dump_log(&a);
+	cr_expect_eq(done_count(qq), units);
+	verify_once(qq, units, 2);
+	cr_expect_eq(agent_field(&a, "failed"), 0, "nothing charged");
+	(void)snprintf(want, sizeof(want), "127.0.0.1:%d", c.node[rep].port);
+	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), want), "on the new primary: %s",
+		  ro_test_agent_status(&a, "status\n"));
+	cr_expect_geq(agent_field(&a, "redis_redirects"), 1, "by its MOVED");
+	cr_expect_eq(agent_field(&a, "ready"), 1);
+	stop_agent(&a);
+	(void)ro_queue_free(qq);
+	ro_test_cluster_stop(&c);
+}
