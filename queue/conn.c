@@ -9,6 +9,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -371,7 +372,7 @@ void ro_redis_url_redact(const char *url, char *out, size_t len)
 /* ---- the connection ------------------------------------------------------------------ */
 
 enum kind { K_USER, K_AUTH, K_ROLE, K_SLOTS, K_SENTINEL, K_SELECT, K_NAME, K_VERSION, K_LOAD };
-enum state { S_IDLE, S_CONNECTING, S_TLS, S_HANDSHAKE, S_READY };
+enum state { S_IDLE, S_RESOLVING, S_CONNECTING, S_TLS, S_HANDSHAKE, S_READY };
 enum mode { M_UNKNOWN, M_STANDALONE, M_CLUSTER, M_SENTINEL };
 enum { F_AT_ONCE = 1, F_REROUTE = 2 };
 
@@ -426,6 +427,20 @@ struct ro_conn {
 	bool have_primary;
 	unsigned hops; /* redirections since the last answered command */
 	char node_str[300];
+	/* a host name being looked up without blocking (getaddrinfo_a) */
+	struct lookup *lookup;
+	int64_t lookup_poll;
+	/* the addresses of the name, the next to try when a connect fails */
+	struct addrinfo *addrs, *next_addr;
+};
+
+/* One name lookup in glibc's resolver thread. Owned by the connection until it ends; one
+ * that cannot be cancelled when the connection gives up on it is left to finish on its own
+ * (a few hundred bytes), so the resolver never writes into freed memory. */
+struct lookup {
+	struct gaicb cb;
+	struct addrinfo hints;
+	char host[256], port[8];
 };
 
 static int64_t mono_ms(void)
@@ -605,6 +620,8 @@ fail:
 	return r;
 }
 
+static void lookup_drop(struct ro_conn *c);
+
 static void cmd_free(struct cmd *m)
 {
 	if (m->held)
@@ -639,6 +656,9 @@ struct ro_conn *ro_conn_free(struct ro_conn *c)
 {
 	if (!c)
 		return NULL;
+	lookup_drop(c);
+	if (c->addrs)
+		freeaddrinfo(c->addrs);
 	close_socket(c);
 	while (c->head) {
 		struct cmd *m = c->head;
@@ -765,6 +785,10 @@ static void unlink_cmd(struct ro_conn *c, struct cmd *m)
  * again on the next one. */
 static void drop_socket(struct ro_conn *c)
 {
+	lookup_drop(c);
+	if (c->addrs)
+		freeaddrinfo(c->addrs);
+	c->addrs = c->next_addr = NULL;
 	close_socket(c);
 	c->st = S_IDLE;
 	for (struct cmd **p = &c->head; *p;) {
@@ -1062,64 +1086,185 @@ static void choose_target(struct ro_conn *c)
 	}
 }
 
-static void start_connect(struct ro_conn *c)
+static void free_addrs(struct ro_conn *c)
 {
-	int r;
+	if (c->addrs)
+		freeaddrinfo(c->addrs);
+	c->addrs = c->next_addr = NULL;
+}
 
-	c->connect_at = mono_ms();
-	c->sockets++;
-	if (c->url.path) {
-		struct sockaddr_un sa = {.sun_family = AF_UNIX};
+/* A socket to the next address and its non-blocking connect (a name's addresses are
+ * tried in turn: localhost may be ::1 first while the server listens on 127.0.0.1). */
+static void connect_next(struct ro_conn *c)
+{
+	for (;;) {
+		const struct addrinfo *ai = c->next_addr;
+		int one = 1, r;
 
-		if (strlen(c->url.path) >= sizeof(sa.sun_path)) {
-			conn_fatal(c, -EINVAL, "redis connect: %s", "socket path too long");
+		if (!ai) {
+			free_addrs(c);
+			conn_fail(c, -EIO, F_REROUTE, "redis connect %s: %s", ro_conn_node(c),
+				  "no address");
 			return;
 		}
-		(void)strcpy(sa.sun_path, c->url.path);
-		c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-		if (c->fd < 0) {
-			conn_fail(c, -EIO, 0, "redis connect: %s", strerror(errno));
-			return;
-		}
-		r = connect(c->fd, (struct sockaddr *)&sa, sizeof(sa));
-	} else {
-		struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
-		char port[8];
-		int one = 1;
-
-		choose_target(c);
-		(void)snprintf(port, sizeof(port), "%d", c->target.port);
-		/* numeric addresses never block; a name is looked up (a local resolver's
-		 * answer: /etc/hosts or nscd) */
-		hints.ai_flags = AI_NUMERICHOST;
-		r = getaddrinfo(c->target.host, port, &hints, &ai);
-		if (r == EAI_NONAME) {
-			hints.ai_flags = 0;
-			r = getaddrinfo(c->target.host, port, &hints, &ai);
-		}
-		if (r) {
-			conn_fail(c, -EIO, F_REROUTE, "redis connect %s:%d: %s", c->target.host,
-				  c->target.port, gai_strerror(r));
-			return;
-		}
+		c->next_addr = ai->ai_next;
+		c->sockets++;
 		c->fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 		if (c->fd < 0) {
-			freeaddrinfo(ai);
+			free_addrs(c);
 			conn_fail(c, -EIO, 0, "redis connect: %s", strerror(errno));
 			return;
 		}
 		(void)setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 		(void)setsockopt(c->fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
 		r = connect(c->fd, ai->ai_addr, ai->ai_addrlen);
-		freeaddrinfo(ai);
+		if (r == 0) {
+			free_addrs(c);
+			connected(c);
+			return;
+		}
+		if (errno == EINPROGRESS || errno == EAGAIN) {
+			c->st = S_CONNECTING;
+			return;
+		}
+		if (!c->next_addr) {
+			int e = errno;
+
+			free_addrs(c);
+			conn_fail(c, e == ETIMEDOUT ? -ETIMEDOUT : -EIO, F_REROUTE,
+				  "redis connect %s: %s", ro_conn_node(c), strerror(e));
+			return;
+		}
+		(void)close(c->fd);
+		c->fd = -1;
 	}
-	if (r == 0) {
-		connected(c);
-	} else if (errno == EINPROGRESS || errno == EAGAIN) {
-		c->st = S_CONNECTING;
+}
+
+static void connect_addrs(struct ro_conn *c, struct addrinfo *ai)
+{
+	free_addrs(c);
+	c->addrs = c->next_addr = ai;
+	connect_next(c);
+}
+
+/* Give up a lookup: cancelled, or (still running in the resolver) left to finish. */
+static void lookup_drop(struct ro_conn *c)
+{
+	struct lookup *l = c->lookup;
+
+	c->lookup = NULL;
+	if (!l)
+		return;
+	if (gai_error(&l->cb) == EAI_INPROGRESS && gai_cancel(&l->cb) != EAI_CANCELED)
+		return; /* the resolver still writes into it: not ours to free */
+	if (l->cb.ar_result)
+		freeaddrinfo(l->cb.ar_result);
+	free(l);
+}
+
+/* The lookup's end (or not yet): connect to its first address. */
+static void lookup_step(struct ro_conn *c, int64_t now)
+{
+	struct lookup *l = c->lookup;
+	int r = gai_error(&l->cb);
+
+	if (r == EAI_INPROGRESS) {
+		if (now >= c->connect_at + c->o.timeout_ms) {
+			lookup_drop(c);
+			conn_fail(c, -ETIMEDOUT, F_REROUTE, "redis connect %s: %s", ro_conn_node(c),
+				  "name lookup timed out");
+		} else if (c->lookup_poll < 50) {
+			c->lookup_poll *= 2;
+		}
+		return;
+	}
+	if (r) {
+		lookup_drop(c);
+		conn_fail(c, -EIO, F_REROUTE, "redis connect %s: %s", ro_conn_node(c),
+			  gai_strerror(r));
+		return;
+	}
+	{
+		struct addrinfo *ai = l->cb.ar_result;
+
+		l->cb.ar_result = NULL;
+		lookup_drop(c);
+		connect_addrs(c, ai);
+	}
+}
+
+static void start_connect(struct ro_conn *c)
+{
+	c->connect_at = mono_ms();
+	if (c->url.path) {
+		struct sockaddr_un sa = {.sun_family = AF_UNIX};
+		int r;
+
+		if (strlen(c->url.path) >= sizeof(sa.sun_path)) {
+			conn_fatal(c, -EINVAL, "redis connect: %s", "socket path too long");
+			return;
+		}
+		(void)strcpy(sa.sun_path, c->url.path);
+		c->sockets++;
+		c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+		if (c->fd < 0) {
+			conn_fail(c, -EIO, 0, "redis connect: %s", strerror(errno));
+			return;
+		}
+		r = connect(c->fd, (struct sockaddr *)&sa, sizeof(sa));
+		if (r == 0)
+			connected(c);
+		else if (errno == EINPROGRESS || errno == EAGAIN)
+			c->st = S_CONNECTING;
+		else
+			conn_fail(c, -EIO, 0, "redis connect %s: %s", c->url.path, strerror(errno));
 	} else {
-		conn_fail(c, errno == ETIMEDOUT ? -ETIMEDOUT : -EIO, F_REROUTE,
-			  "redis connect %s: %s", ro_conn_node(c), strerror(errno));
+		struct addrinfo hints = {.ai_socktype = SOCK_STREAM, .ai_flags = AI_NUMERICHOST};
+		struct addrinfo *ai = NULL;
+		struct lookup *l;
+		char port[8];
+		int r;
+
+		choose_target(c);
+		(void)snprintf(port, sizeof(port), "%d", c->target.port);
+		/* an address: at once */
+		r = getaddrinfo(c->target.host, port, &hints, &ai);
+		if (r == 0) {
+			connect_addrs(c, ai);
+			return;
+		}
+		if (r != EAI_NONAME) {
+			conn_fail(c, -EIO, F_REROUTE, "redis connect %s: %s", ro_conn_node(c),
+				  gai_strerror(r));
+			return;
+		}
+		/* a name: looked up in glibc's resolver thread, bounded by the connect timeout */
+		l = calloc(1, sizeof(*l));
+		if (!l) {
+			conn_fail(c, -ENOMEM, 0, "redis connect: %s", "out of memory");
+			return;
+		}
+		(void)snprintf(l->host, sizeof(l->host), "%s", c->target.host);
+		(void)snprintf(l->port, sizeof(l->port), "%s", port);
+		l->hints.ai_socktype = SOCK_STREAM;
+		l->cb.ar_name = l->host;
+		l->cb.ar_service = l->port;
+		l->cb.ar_request = &l->hints;
+		{
+			struct gaicb *list[1] = {&l->cb};
+
+			r = getaddrinfo_a(GAI_NOWAIT, list, 1, NULL);
+		}
+		if (r) {
+			free(l);
+			conn_fail(c, -EIO, F_REROUTE, "redis connect %s: %s", ro_conn_node(c),
+				  gai_strerror(r));
+			return;
+		}
+		c->lookup = l;
+		c->lookup_poll = 1;
+		c->st = S_RESOLVING;
+		lookup_step(c, mono_ms());
 	}
 }
 
@@ -1728,6 +1873,8 @@ int64_t ro_conn_next_ms(const struct ro_conn *c)
 		t = min_t(t, c->next_try);
 	if (c->st == S_CONNECTING || c->st == S_TLS || c->st == S_HANDSHAKE)
 		t = min_t(t, c->connect_at + c->o.timeout_ms);
+	if (c->st == S_RESOLVING) /* glibc's lookup ends without a descriptor to watch */
+		t = min_t(t, mono_ms() + c->lookup_poll);
 	return min_t(t, reply_due(c));
 }
 
@@ -1735,15 +1882,26 @@ void ro_conn_process(struct ro_conn *c, short revents)
 {
 	int64_t now, due;
 
+	if (c->st == S_RESOLVING)
+		lookup_step(c, mono_ms());
 	if (c->st == S_CONNECTING && (revents & (POLLOUT | POLLERR | POLLHUP))) {
 		int err = 0;
 		socklen_t l = sizeof(err);
 
-		if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &l) || err)
+		bool bad = getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &l) || err;
+
+		if (bad && c->next_addr) {
+			(void)close(c->fd); /* the name's next address */
+			c->fd = -1;
+			connect_next(c);
+		} else if (bad) {
+			free_addrs(c);
 			conn_fail(c, err == ETIMEDOUT ? -ETIMEDOUT : -EIO, F_REROUTE,
 				  "redis connect %s: %s", ro_conn_node(c), strerror(err ? err : errno));
-		else
+		} else {
+			free_addrs(c);
 			connected(c);
+		}
 	} else if (c->st == S_TLS && revents) {
 		tls_step(c);
 	}

@@ -369,6 +369,26 @@ Test(managed, tls_and_mtls)
 			 "--redis-tls-cert", r.cert, "--redis-tls-key", r.key, "--queue", q, "status",
 			 NULL),
 		     0, "%s", out);
+	{
+		/* by name (/etc/hosts: looked up without blocking, its addresses tried in turn,
+		 * the certificate checked for the name, SNI sent), the settings from the
+		 * environment */
+		char byname[96];
+
+		(void)snprintf(byname, sizeof(byname), "rediss://localhost:%d", r.port);
+		cr_assert_eq(setenv("ROLLOUTD_REDIS_TLS_CA", r.ca, 1), 0);
+		cr_assert_eq(setenv("ROLLOUTD_REDIS_TLS_CERT", r.cert, 1), 0);
+		cr_assert_eq(setenv("ROLLOUTD_REDIS_TLS_KEY", r.key, 1), 0);
+		cr_expect_eq(ctl(out, sizeof(out), "--redis", byname, "--queue", q, "status", NULL),
+			     0, "%s", out);
+		cr_expect_eq(ctl(out, sizeof(out), "--redis", byname, "--redis-tls-server-name",
+				 "not-this-server", "--queue", q, "status", NULL),
+			     2, "%s", out);
+		cr_expect(strstr(out, "not trusted"), "%s", out);
+		(void)unsetenv("ROLLOUTD_REDIS_TLS_CA");
+		(void)unsetenv("ROLLOUTD_REDIS_TLS_CERT");
+		(void)unsetenv("ROLLOUTD_REDIS_TLS_KEY");
+	}
 
 	/* rolloutd with the wrong CA stops at start, naming the cause */
 	extra[0] = "--redis-tls-ca";
