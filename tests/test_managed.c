@@ -334,6 +334,20 @@ static bool wait_ready(const struct ro_test_agent *ag, bool want, long ms)
 	return false;
 }
 
+/* Lines of the agent's log that hold what. */
+static int log_count(const struct ro_test_agent *ag, const char *what)
+{
+	FILE *f = fopen(ag->log, "r");
+	char line[4096];
+	int n = 0;
+
+	while (f && fgets(line, sizeof(line), f))
+		n += strstr(line, what) != NULL;
+	if (f)
+		(void)fclose(f);
+	return n;
+}
+
 static void stop_agent(struct ro_test_agent *ag)
 {
 	(void)kill(ag->pid, SIGTERM);
@@ -485,6 +499,20 @@ Test(managed, acl_users)
 				 "--queue", q, "status", NULL),
 			     0, "%s", out);
 	}
+	/* the credentials change under a running worker: said once, not ready, retried; back
+	 * once the password is right again */
+	cr_expect_eq(ro_test_redis_cli(&r, out, sizeof(out), "ACL", "SETUSER", "worker", "resetpass",
+				       ">rotated", NULL),
+		     0, "%s", out);
+	cr_expect_eq(ro_test_redis_cli(&r, out, sizeof(out), "CLIENT", "KILL", "USER", "worker", NULL),
+		     0, "%s", out);
+	cr_expect(wait_ready(&a, false, 20000), "not ready with the wrong password");
+	ro_test_msleep(1500); /* a few retries (backoff up to 1 s) */
+	cr_expect_eq(log_count(&a, "WRONGPASS"), 1, "said once");
+	cr_expect_eq(ro_test_redis_cli(&r, out, sizeof(out), "ACL", "SETUSER", "worker", "resetpass",
+				       ">w0rker%pw", NULL),
+		     0, "%s", out);
+	cr_expect(wait_ready(&a, true, 20000), "ready again");
 	stop_agent(&a);
 	cr_expect(!ro_test_agent_log_has(&a, "w0rker"), "no password in the log");
 	(void)ro_queue_free(qq);
