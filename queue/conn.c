@@ -174,7 +174,7 @@ static int parse_unix(const char *url, const char *p, struct ro_redis_url *u, ch
 	bool bad = false;
 
 	/* unix://[user[:pw]@]/path */
-	const char *at = memchr(p, '@', n);
+	const char *at = n && *p != '/' ? memchr(p, '@', n) : NULL;
 
 	if (at) {
 		const char *colon = memchr(p, ':', (size_t)(at - p));
@@ -214,7 +214,18 @@ static int parse_unix(const char *url, const char *p, struct ro_redis_url *u, ch
 	return 0;
 }
 
+static int url_parse(const char *url, struct ro_redis_url *u, char *err, size_t errlen);
+
 int ro_redis_url_parse(const char *url, struct ro_redis_url *u, char *err, size_t errlen)
+{
+	int r = url_parse(url, u, err, errlen);
+
+	if (r)
+		ro_redis_url_clear(u); /* every early return, not only some */
+	return r;
+}
+
+static int url_parse(const char *url, struct ro_redis_url *u, char *err, size_t errlen)
 {
 	static const struct {
 		const char *scheme;
@@ -350,7 +361,10 @@ void ro_redis_url_redact(const char *url, char *out, size_t len)
 	const char *p = strstr(url, "://"), *at = NULL, *colon;
 
 	if (!p) {
-		(void)snprintf(out, len, "%s", url);
+		/* not a URL we know: hide whatever could be credentials */
+		const char *a = strrchr(url, '@');
+
+		(void)snprintf(out, len, "%s%s", a ? "***" : "", a ? a : url);
 		return;
 	}
 	p += 3;
@@ -359,13 +373,18 @@ void ro_redis_url_redact(const char *url, char *out, size_t len)
 			at = s;
 	if (at && (colon = memchr(p, ':', (size_t)(at - p))) != NULL) {
 		(void)snprintf(out, len, "%.*s:***%s", (int)(colon - url), url, at);
-	} else if (!strncmp(url, "unix://", 7) && strstr(url, "password=")) {
-		const char *pw = strstr(url, "password=") + 9;
-		const char *e = pw + strcspn(pw, "&");
-
-		(void)snprintf(out, len, "%.*s***%s", (int)(pw - url), url, e);
 	} else {
 		(void)snprintf(out, len, "%s", url);
+	}
+	/* and every password= parameter, whatever the scheme (a refused URL is shown too) */
+	for (char *pw = strstr(out, "password="); pw; pw = strstr(pw, "password=")) {
+		char *v = pw + 9, *e = v + strcspn(v, "&");
+
+		if (e - v > 3 || strncmp(v, "***", 3)) {
+			memmove(v + 3, e, strlen(e) + 1);
+			memcpy(v, "***", 3);
+		}
+		pw = v + 3;
 	}
 }
 
@@ -411,6 +430,8 @@ struct ro_conn {
 	struct cmd *head, *tail; /* every unanswered command, in the order sent */
 	struct cmd *unsent;	 /* the first not completely written */
 	size_t woff;		 /* bytes of unsent already written */
+	bool wpend;		 /* TLS: SSL_write of unsent wants a retry (a record is committed) */
+	int64_t wstart;		 /* when the write of unsent began */
 	int64_t next_try, backoff, connect_at;
 	bool need_load;
 	int last_err, fatal;
@@ -642,6 +663,7 @@ static void close_socket(struct ro_conn *c)
 		redisReaderFree(c->rd);
 	c->rd = NULL;
 	c->rd_want_wr = false;
+	c->wpend = false;
 }
 
 static void free_str(char *s)
@@ -1283,7 +1305,8 @@ static bool transient(const char *s)
 {
 	return starts(s, "LOADING") || starts(s, "BUSY") || starts(s, "MASTERDOWN") ||
 	       starts(s, "TRYAGAIN") || starts(s, "ASK ") || starts(s, "CLUSTERDOWN") ||
-	       starts(s, "OOM") || strstr(s, "non local key") || strstr(s, "UNBLOCKED");
+	       starts(s, "OOM") || strstr(s, "non local key") || strstr(s, "UNBLOCKED") ||
+	       starts(s, "ERR max number of clients reached");
 }
 
 static bool auth_error(const char *s)
@@ -1357,6 +1380,7 @@ static void slots_reply(struct ro_conn *c, redisReply *rep)
 {
 	struct cmd *t = NULL;
 	int owner = -1;
+	struct ro_hostport own = {.port = 0};
 
 	if (rep->type == REDIS_REPLY_ERROR) {
 		if (strstr(rep->str, "cluster support disabled") ||
@@ -1427,10 +1451,16 @@ static void slots_reply(struct ro_conn *c, redisReply *rep)
 				   : c->target.host;
 			idx = add_node(c, host, (int)n->element[1]->integer);
 			if (j == 2 && (long long)c->slot >= e->element[0]->integer &&
-			    (long long)c->slot <= e->element[1]->integer)
+			    (long long)c->slot <= e->element[1]->integer) {
+				/* by address: a later add_node may shift or evict indices */
+				(void)snprintf(own.host, sizeof(own.host), "%s", host);
+				own.port = (int)n->element[1]->integer;
 				owner = (int)idx;
+			}
 		}
 	}
+	if (owner >= 0)
+		owner = (int)add_node(c, own.host, own.port);
 	if (owner < 0) {
 		conn_fail(c, -EAGAIN, F_REROUTE,
 			  "redis cluster (asked %s): no node serves slot %u (is the cluster down?)",
@@ -1494,7 +1524,9 @@ static void handshake_reply(struct ro_conn *c, struct cmd *m, redisReply *rep)
 	case K_AUTH:
 		if (!is_err)
 			break;
-		if (auth_error(rep->str) || starts(rep->str, "ERR"))
+		if (transient(rep->str))
+			conn_fail(c, -EAGAIN, 0, "redis %s: AUTH: %s", ro_conn_node(c), rep->str);
+		else if (auth_error(rep->str) || starts(rep->str, "ERR"))
 			conn_fatal(c, -EACCES, "redis %s: AUTH%s%s refused: %s", ro_conn_node(c),
 				   c->asking_sentinel || !c->url.user ? "" : " as user ",
 				   c->asking_sentinel || !c->url.user ? "" : c->url.user, rep->str);
@@ -1598,13 +1630,22 @@ static void user_reply(struct ro_conn *c, struct cmd *m, redisReply *rep)
 	if (m->wait_n) {
 		/* rep is WAIT's: how many replicas have the write */
 		long long got = rep->type == REDIS_REPLY_INTEGER ? rep->integer : -1;
+		bool refused = rep->type == REDIS_REPLY_ERROR;
 		redisReply *own = m->held;
+		char why[200];
 
+		(void)snprintf(why, sizeof(why), "WAIT refused: %s", refused ? rep->str : "");
 		freeReplyObject(rep);
 		m->held = NULL;
+		if (own && own->type != REDIS_REPLY_ERROR && refused) {
+			/* WAIT itself refused (NOPERM, a replica): not a shortfall to retry */
+			freeReplyObject(own);
+			if (fn)
+				fn(arg, auth_error(why + 14) ? -EACCES : -EIO, NULL, why, sent);
+			cmd_free(m);
+			return;
+		}
 		if (own && own->type != REDIS_REPLY_ERROR && got < (long long)m->wait_n) {
-			char why[160];
-
 			freeReplyObject(own);
 			(void)snprintf(why, sizeof(why),
 				       "not confirmed: WAIT %u %u: %lld replicas acknowledged",
@@ -1707,11 +1748,16 @@ static ssize_t io_write(struct ro_conn *c, const char *buf, size_t len)
 
 		ERR_clear_error();
 		ret = SSL_write(c->ssl, buf, (int)len);
-		if (ret > 0)
+		if (ret > 0) {
+			c->wpend = false;
 			return ret;
+		}
 		e = SSL_get_error(c->ssl, ret);
-		if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE)
+		if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) {
+			/* OpenSSL holds (part of) this buffer: the retry must be the same */
+			c->wpend = true;
 			return -EAGAIN;
+		}
 		tls_io_error(c);
 		return -EPROTO;
 	}
@@ -1773,7 +1819,11 @@ static void do_write(struct ro_conn *c)
 {
 	while (c->fd >= 0 && can_write(c)) {
 		struct cmd *m = c->unsent;
-		ssize_t n = io_write(c, m->buf + c->woff, m->len - c->woff);
+		ssize_t n;
+
+		if (!c->woff && !c->wpend)
+			c->wstart = mono_ms();
+		n = io_write(c, m->buf + c->woff, m->len - c->woff);
 
 		if (n == -EAGAIN || n == -EPROTO)
 			return;
@@ -1783,8 +1833,10 @@ static void do_write(struct ro_conn *c)
 			return;
 		}
 		c->woff += (size_t)n;
+		if (c->woff < m->len && !c->ssl)
+			return; /* the socket is full (TLS: one record went, try the next) */
 		if (c->woff < m->len)
-			return;
+			continue;
 		c->woff = 0;
 		c->unsent = m->next;
 		m->sent_at = mono_ms();
@@ -1814,7 +1866,7 @@ static void expire(struct ro_conn *c, int64_t now)
 		(void)snprintf(why, sizeof(why), "%s", down ? c->err : "redis: no reply in time");
 		m->fn = NULL;
 		sent = m->sent_at;
-		if (!m->sent_at && !(m == c->unsent && c->woff)) {
+		if (!m->sent_at && !(m == c->unsent && (c->woff || c->wpend))) {
 			unlink_cmd(c, m);
 			cmd_free(m);
 		}
@@ -1836,6 +1888,9 @@ static int64_t reply_due(const struct ro_conn *c)
 	for (const struct cmd *m = c->head; m && m != c->unsent; m = m->next)
 		if (m->sent_at)
 			return m->sent_at + c->o.timeout_ms + m->block_ms + m->wait_ms;
+	/* a write the server stopped taking is bounded too */
+	if (c->unsent && (c->woff || c->wpend))
+		return c->wstart + c->o.timeout_ms;
 	return -1;
 }
 

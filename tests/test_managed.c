@@ -74,6 +74,13 @@ Test(url, forms)
 	cr_assert_str_eq(u.user, "w");
 	cr_assert_str_eq(u.password, "a&b");
 	ro_redis_url_clear(&u);
+
+	/* an @ in a socket path is part of the path */
+	cr_assert_eq(ro_redis_url_parse("unix:///run/redis@main/redis.sock", &u, err, sizeof(err)),
+		     0, "%s", err);
+	cr_assert_str_eq(u.path, "/run/redis@main/redis.sock");
+	cr_assert_null(u.user);
+	ro_redis_url_clear(&u);
 }
 
 Test(url, refused_with_the_reason_and_no_password)
@@ -113,6 +120,15 @@ Test(url, redacted)
 	cr_assert_str_eq(out, "unix:///s.sock?db=1&password=***&user=u");
 	ro_redis_url_redact("redis://h:6379", out, sizeof(out));
 	cr_assert_str_eq(out, "redis://h:6379");
+	/* what a refused URL may hold is hidden too */
+	ro_redis_url_redact("redis//:secret@host", out, sizeof(out));
+	cr_assert(!strstr(out, "secret"), "%s", out);
+	ro_redis_url_redact("redis://h/0?password=secret", out, sizeof(out));
+	cr_assert(!strstr(out, "secret"), "%s", out);
+	ro_redis_url_redact("unix:///s?password=a&password=secret", out, sizeof(out));
+	cr_assert(!strstr(out, "secret"), "%s", out);
+	ro_redis_url_redact("unix://u:pw@/tmp/s?password=secret", out, sizeof(out));
+	cr_assert(!strstr(out, "secret") && !strstr(out, "pw@"), "%s", out);
 }
 
 Test(url, slots_match_redis)
@@ -996,4 +1012,28 @@ Test(managed, cluster_manual_failover)
 	stop_agent(&a);
 	(void)ro_queue_free(qq);
 	ro_test_cluster_stop(&c);
+}
+
+/* A server at its client limit refuses a connection with an ERR reply to the first command
+ * (AUTH here): an overload, not wrong credentials. rolloutctl fails with 1 (try again), not
+ * 2, and works once a client leaves. */
+Test(managed, maxclients_is_not_a_credentials_error)
+{
+	struct ro_test_redis r;
+	const char *extra[] = {"--maxclients", "1", NULL};
+	struct ro_test_redis_opts ro = {.password = "pw", .extra_args = extra};
+	char out[4096], url[128];
+	redisContext *hold;
+
+	cr_assert_eq(ro_test_redis_start_opts(&r, &ro), 0);
+	(void)snprintf(url, sizeof(url), "redis://:pw@127.0.0.1:%d", r.port);
+	hold = redisConnect("127.0.0.1", r.port); /* the one client it takes */
+	cr_assert(hold && !hold->err);
+	cr_expect_eq(ctl(out, sizeof(out), "--redis", url, "--redis-timeout-ms", "500", "status",
+			 NULL),
+		     1, "%s", out);
+	cr_expect(strstr(out, "max number of clients"), "%s", out);
+	redisFree(hold);
+	cr_expect_eq(ctl(out, sizeof(out), "--redis", url, "status", NULL), 0, "%s", out);
+	ro_test_redis_stop(&r);
 }
