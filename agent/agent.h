@@ -32,7 +32,8 @@ struct sample_rt {
 	/* engine only */
 	struct ro_seq *kv;
 	float *logits;
-	uint32_t prefix_done; /* of a resumed prefix (tok[0..resumed_from)), tokens in kv */
+	uint32_t prefix_done; /* of the prefix to replay (tok[0..prefix_len)), tokens in kv */
+	uint32_t prefix_len;  /* a resumed checkpoint's, or every token after a swap */
 	bool ready;	      /* logits hold the distribution of token len */
 	/* shared, under a->mu: the engine appends, the control plane reads */
 	int32_t *tok;
@@ -45,6 +46,10 @@ struct sample_rt {
 	uint32_t ckpt_len; /* tokens Redis holds as this sample's checkpoint */
 	int64_t ckpt_at;
 	bool in_publish; /* part of the publish in flight */
+	/* under a->mu: which policy version made which tokens (the engine appends a
+	 * segment when it swaps weights under a running sample) */
+	struct ro_pv pv[RO_MAX_PV];
+	uint32_t n_pv;
 };
 
 /* The control plane's view of a unit's life. */
@@ -68,6 +73,7 @@ struct unit_rt {
 	struct ro_seq *base;
 	float *base_logits;
 	uint32_t prompt_done;
+	struct ro_model *m; /* the weights it runs on (policy-swap finish keeps the old) */
 	/* shared, under a->mu */
 	bool cancel;	  /* control plane: stop working on it */
 	bool released;	  /* engine: holds nothing of it any more */
@@ -86,7 +92,7 @@ struct unit_rt {
 struct ro_counters {
 	uint64_t claimed, completed, requeued, dead, released, published, tokens, drains,
 	    imds_errors, redis_errors, lease_losses, checkpoints, failed, resumed_held,
-	    checkpoints_discarded, stale_refused;
+	    checkpoints_discarded, stale_refused, policy_swaps, policy_errors;
 };
 
 struct ro_control; /* control.c */
@@ -98,6 +104,19 @@ struct ro_agent {
 	struct ro_queue *qw; /* the idle wait on the wake-up marker (a blocking command) */
 	struct ro_model *m;
 	uint32_t vocab;
+	/* policy weights (policy.c): the version m serves, the one Redis publishes, the next
+	 * loaded beside m (handed to the engine under mu, which swaps at a step boundary), and
+	 * the old one that policy-swap finish keeps until its last sequence ends */
+	int64_t policy_version, published_version;
+	struct ro_model *next_m, *old_m;
+	int64_t next_version, old_version;
+	bool policy_loading, policy_busy, loader_done, loader_started;
+	pthread_t loader;
+	int64_t policy_retry_ms, next_policy_ms;
+	uint32_t policy_backoff_ms;
+	char policy_error[300];
+	volatile uint64_t policy_bytes_done, policy_bytes_total;
+	volatile int policy_cancel;
 
 	pthread_mutex_t mu;
 	pthread_cond_t cv; /* the engine waits on it for work */
@@ -156,8 +175,9 @@ int ro_engine_start(struct ro_agent *a);
 void ro_engine_stop(struct ro_agent *a);
 /* Wake the engine (new work, a cancel, a drain); callers hold a->mu. */
 void ro_engine_kick(struct ro_agent *a);
-/* The model forward: alone, or as this rank's part of the EP group's collective. */
-int ro_agent_forward(struct ro_agent *a, struct ro_fwd_item *items, size_t count);
+/* The model forward on m: alone, or as this rank's part of the EP group's collective. */
+int ro_agent_forward(struct ro_agent *a, struct ro_model *m, struct ro_fwd_item *items,
+		     size_t count);
 /* Bytes a unit needs on this worker (its caches and the step's scratch). */
 uint64_t ro_engine_unit_bytes(const struct ro_agent *a, const struct ro_unit *u, uint32_t owed);
 
@@ -176,6 +196,17 @@ uint32_t ro_units_unckpt(const struct ro_agent *a);
 /* End u with the given final operation (requeue with its checkpoints, fail, dead-letter);
  * the engine stops working on it at once. Callers hold a->mu. */
 void ro_unit_end(struct ro_agent *a, struct unit_rt *u, enum unit_end end, const char *why);
+
+/* policy.c: new weights while running */
+/* Ask Redis for the published policy (on the status interval, and when woken). */
+void ro_policy_check(struct ro_agent *a);
+/* Join a finished loader, start one for a newer version; the loop's tick calls it. */
+void ro_policy_tick(struct ro_agent *a);
+void ro_policy_stop(struct ro_agent *a);
+/* The engine, at a step boundary, under mu: swap to next_m if one is ready; free the old
+ * weights (policy-swap finish) once their last sequence ended. */
+void ro_policy_swap(struct ro_agent *a);
+void ro_policy_gc(struct ro_agent *a);
 
 /* drain.c */
 /* Begin (or tighten) a drain; deadline in ms since the epoch. */

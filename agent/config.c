@@ -30,6 +30,7 @@ static const char *const rebalance_names[] = {"drain", "stop-claiming", "ignore"
 static const char *const ep_mode_names[] = {"auto", "low-latency", "throughput", NULL};
 static const char *const dtype_names[] = {"f32", "bf16", NULL};
 static const char *const combine_names[] = {"exact", "sum", NULL};
+static const char *const swap_names[] = {"recompute", "finish", NULL};
 static const char *const cluster_names[] = {"auto", "yes", "no", NULL};
 static const char *const level_names[] = {"emerg", "alert", "crit",  "err",
 					  "warning", "notice", "info", "debug", NULL};
@@ -118,7 +119,19 @@ static const struct setting table[] = {
      "unix socket for rolloutctl drain / status --local (mode 0600); empty: none"},
     {"threads", T_U32, F(threads), "0", 0, 1024, NULL, "model threads; 0: one per CPU"},
     {"policy-version", T_I64, F(policy_version), "0", 0, INT64_MAX, NULL,
-     "policy version of the loaded weights (samples carry it)"},
+     "policy version of the weights in `model` (samples carry it); newer ones published with "
+     "`rolloutctl policy publish` are loaded while running"},
+    {"policy-swap", T_ENUM, F(policy_swap), "recompute", 0, 0, swap_names,
+     "recompute: running sequences go on with the new weights (their caches rebuilt) | "
+     "finish: they finish on the old ones"},
+    {"max-policy-lag", T_U32, F(max_policy_lag), "0", 0, UINT32_MAX, NULL,
+     "stop claiming while more than this many versions behind the published one (0: no bound)"},
+    {"weights-cache", T_STR, F(weights_cache), "/var/cache/rolloutd", 0, 0, NULL,
+     "where s3:// and https:// policies are downloaded (the loaded and the next version)"},
+    {"s3-region", T_STR, F(s3_region), "", 0, 0, NULL,
+     "S3 region of s3:// policies; empty: AWS_REGION, AWS_DEFAULT_REGION, else IMDS"},
+    {"s3-endpoint", T_STR, F(s3_endpoint), "", 0, 0, NULL,
+     "S3 endpoint (path-style: http://127.0.0.1:9000 for MinIO or a test); empty: AWS"},
     {"log-level", T_ENUM, F(log_level), "info", 0, 0, level_names,
      "err | warning | notice | info | debug"},
     {"ep-group", T_STR, F(ep_group), "", 0, 0, NULL,

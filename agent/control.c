@@ -78,7 +78,10 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 		       "\"redis_node\":\"%s\",\"redis_redirects\":%llu,\"redis_pending\":%zu,"
 		       "\"redis_ok_age_ms\":%lld,\"claimed\":%llu,\"completed\":%llu,"
 		       "\"requeued\":%llu,\"published\":%llu,\"failed\":%llu,\"lease_losses\":%llu,"
-		       "\"uncheckpointed_max\":%u",
+		       "\"uncheckpointed_max\":%u,\"policy_version\":%lld,"
+		       "\"policy_published\":%lld,\"policy_loading\":%s,\"policy_swaps\":%llu,"
+		       "\"policy_errors\":%llu,\"policy_bytes_done\":%llu,"
+		       "\"policy_bytes_total\":%llu",
 		       ro_state_name(a->state), ro_ready(a) ? "true" : "false", a->worker, held, active, tps, step, pps,
 		       a->backpressure ? "true" : "false", (long long)a->lag,
 		       a->stop_claiming ? "true" : "false",
@@ -91,7 +94,11 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 		       (unsigned long long)a->n.claimed, (unsigned long long)a->n.completed,
 		       (unsigned long long)a->n.requeued, (unsigned long long)a->n.published,
 		       (unsigned long long)a->n.failed, (unsigned long long)a->n.lease_losses,
-		       unckpt);
+		       unckpt, (long long)a->policy_version, (long long)a->published_version,
+		       a->policy_loading ? "true" : "false",
+		       (unsigned long long)a->n.policy_swaps, (unsigned long long)a->n.policy_errors,
+		       (unsigned long long)a->policy_bytes_done,
+		       (unsigned long long)a->policy_bytes_total);
 	if (a->ep) {
 		struct ro_ep_stats st;
 

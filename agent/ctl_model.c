@@ -208,9 +208,12 @@ int ro_ctl_generate(int argc, char **argv)
 	    {"stop", required_argument, NULL, 'S'},	   {"unit", required_argument, NULL, 'u'},
 	    {"dump-logits", required_argument, NULL, 'L'}, {"threads", required_argument, NULL, 'j'},
 	    {"scalar", no_argument, NULL, 'C'},		   {"help", no_argument, NULL, 'h'},
+	    {"prefix", required_argument, NULL, 'X'},	   {"first-idx", required_argument, NULL, 'I'},
 	    {0},
 	};
 	const char *dir = NULL, *dump = NULL, *unit = "generate";
+	int32_t *prefix = NULL;
+	uint32_t n_prefix = 0, first = 0;
 	struct ro_sampling sp = {.temperature = 1.0, .top_p = 1.0};
 	struct ro_model_opts mo = {0};
 	uint32_t n = 1, max_new = 16, plen = 0, n_stop = 0;
@@ -266,6 +269,15 @@ int ro_ctl_generate(int argc, char **argv)
 				return usage_err("--seed", optarg);
 			break;
 		case 'u': unit = optarg; break;
+		case 'X':
+			free(prefix);
+			if (!id_list(optarg, &prefix, &n_prefix))
+				return usage_err("--prefix (generated ids like 7,8,9)", optarg);
+			break;
+		case 'I':
+			if (!num_u32(optarg, &first))
+				return usage_err("--first-idx", optarg);
+			break;
 		case 'L': dump = optarg; break;
 		case 'j':
 			if (!num_u32(optarg, &mo.threads))
@@ -276,7 +288,11 @@ int ro_ctl_generate(int argc, char **argv)
 			(void)puts("usage: rolloutctl generate --model DIR --prompt 1,2,3 [--n N]\n"
 				   "  [--max-new-tokens T] [--temperature X] [--top-p P] [--top-k K]\n"
 				   "  [--seed S] [--stop 2,5] [--unit ID] [--dump-logits FILE]\n"
-				   "  [--threads N] [--scalar]");
+				   "  [--threads N] [--scalar] [--prefix 7,8,9] [--first-idx I]\n"
+				   "--prefix: tokens every sample already generated (another policy's, say):\n"
+				   "they are prefilled and sampling goes on from position len(prefix);\n"
+				   "the samples are --first-idx, --first-idx + 1, ... of --unit (their\n"
+				   "sampler streams); tokens and logprobs are those drawn after the prefix");
 			return 0;
 		default:
 			return EXIT_USAGE;
@@ -312,6 +328,14 @@ int ro_ctl_generate(int argc, char **argv)
 	if (!seqs || !toks || !lps || !len || !done || !logits || (dump && !all))
 		goto out;
 	t0 = now_s();
+	for (uint32_t i = 0; i < n_prefix; i++)
+		if ((uint32_t)prefix[i] >= V || n_prefix >= max_new) {
+			(void)fprintf(stderr, "rolloutctl: --prefix: token %d outside the vocab (%u), "
+					      "or the prefix not below --max-new-tokens\n",
+				      prefix[i], V);
+			rc = EXIT_USAGE;
+			goto out;
+		}
 	r = ro_seq_new(m, plen + max_new + 1, &base);
 	if (!r) {
 		struct ro_fwd_item it = {base, prompt, plen, dump ? all : logits, dump != NULL};
@@ -348,6 +372,15 @@ int ro_ctl_generate(int argc, char **argv)
 		if (i)
 			memcpy(logits + (size_t)i * V, logits, V * sizeof(float));
 	}
+	/* what the samples already hold, as a worker that took them over replays it */
+	for (uint32_t i = 0; i < n && n_prefix; i++) {
+		struct ro_fwd_item it = {seqs[i], prefix, n_prefix, logits + (size_t)i * V, false};
+
+		memcpy(toks[i], prefix, n_prefix * sizeof(int32_t));
+		len[i] = n_prefix;
+		if (ro_model_forward(m, &it, 1))
+			goto out;
+	}
 	for (;;) {
 		struct ro_fwd_item *items = calloc(n, sizeof(*items));
 		size_t k = 0;
@@ -363,7 +396,8 @@ int ro_ctl_generate(int argc, char **argv)
 				done[i] = true;
 				continue;
 			}
-			t = ro_sample(logits + (size_t)i * V, V, &sp, key, i, len[i], &lps[i][len[i]]);
+			t = ro_sample(logits + (size_t)i * V, V, &sp, key, first + i, len[i],
+				      &lps[i][len[i]]);
 			toks[i][len[i]++] = t;
 			for (uint32_t s = 0; s < n_stop; s++)
 				done[i] = done[i] || t == stop[s];
@@ -402,12 +436,13 @@ int ro_ctl_generate(int argc, char **argv)
 
 			for (uint32_t s = 0; s < n_stop && len[i]; s++)
 				stopped = stopped || toks[i][len[i] - 1] == stop[s];
-			(void)printf("%s{\"idx\":%u,\"tokens\":[", i ? "," : "", i);
-			for (uint32_t j = 0; j < len[i]; j++)
-				(void)printf("%s%d", j ? "," : "", toks[i][j]);
+			(void)printf("%s{\"idx\":%u,\"prefix_len\":%u,\"tokens\":[", i ? "," : "",
+				     first + i, n_prefix);
+			for (uint32_t j = n_prefix; j < len[i]; j++)
+				(void)printf("%s%d", j > n_prefix ? "," : "", toks[i][j]);
 			(void)printf("],\"logprobs\":[");
-			for (uint32_t j = 0; j < len[i]; j++)
-				(void)printf("%s%.9g", j ? "," : "", lps[i][j]);
+			for (uint32_t j = n_prefix; j < len[i]; j++)
+				(void)printf("%s%.9g", j > n_prefix ? "," : "", lps[i][j]);
 			(void)printf("],\"finish\":\"%s\"}", stopped ? "stop" : "length");
 		}
 		(void)printf("]}\n");
@@ -430,5 +465,6 @@ out:
 	ro_model_free(m);
 	free(prompt);
 	free(stop);
+	free(prefix);
 	return rc;
 }

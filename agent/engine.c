@@ -45,13 +45,14 @@ static struct ro_ep_note note_now(struct ro_agent *a)
 	return n;
 }
 
-int ro_agent_forward(struct ro_agent *a, struct ro_fwd_item *items, size_t count)
+int ro_agent_forward(struct ro_agent *a, struct ro_model *m, struct ro_fwd_item *items,
+		     size_t count)
 {
 	struct ro_ep_note note;
 	int r;
 
 	if (!a->ep)
-		return ro_model_forward(a->m, items, count);
+		return ro_model_forward(m, items, count);
 	if (a->ep_failed)
 		return -EPIPE;
 	note = note_now(a);
@@ -102,6 +103,12 @@ uint64_t ro_engine_unit_bytes(const struct ro_agent *a, const struct ro_unit *u,
 /* ---- one step ------------------------------------------------------------------------------ */
 
 enum job_kind { J_PROMPT, J_PREFIX, J_DECODE, J_FINISH };
+
+/* The weights a unit runs on: its own (policy-swap finish) or the serving ones. */
+static struct ro_model *unit_model(const struct ro_agent *a, const struct unit_rt *u)
+{
+	return u->m ? u->m : a->m;
+}
 
 struct job {
 	enum job_kind kind;
@@ -186,8 +193,8 @@ static void plan(struct ro_agent *a, struct step *st)
 			int r = 0;
 
 			if (u->n_s) {
-				r = ro_seq_new(a->m, u->u.prompt_len + u->u.max_new_tokens + 1,
-					       &u->base);
+				r = ro_seq_new(unit_model(a, u),
+					       u->u.prompt_len + u->u.max_new_tokens + 1, &u->base);
 				u->base_logits = r ? NULL : malloc(a->vocab * sizeof(float));
 				if (!r && !u->base_logits)
 					r = -ENOMEM;
@@ -217,7 +224,7 @@ static void plan(struct ro_agent *a, struct step *st)
 
 			if (!s || s->finished || !s->kv)
 				continue;
-			if (s->prefix_done < s->resumed_from) {
+			if (s->prefix_done < s->prefix_len) {
 				if (!budget)
 					continue;
 				j = job_add(st);
@@ -226,7 +233,7 @@ static void plan(struct ro_agent *a, struct step *st)
 				j->kind = J_PREFIX;
 				j->u = u;
 				j->s = s;
-				j->n = s->resumed_from - s->prefix_done;
+				j->n = s->prefix_len - s->prefix_done;
 				if (j->n > budget)
 					j->n = budget;
 				budget -= j->n;
@@ -332,7 +339,7 @@ static void isolate(struct ro_agent *a, struct step *st, int r)
 				idx[n] = m;
 				one[n++] = st->items[st->jobs[m].item];
 			}
-		rr = ro_agent_forward(a, one, n);
+		rr = ro_agent_forward(a, unit_model(a, u), one, n);
 		for (size_t m = 0; m < n; m++) {
 			if (rr)
 				ro_seq_truncate(job_seq(&st->jobs[idx[m]]),
@@ -363,7 +370,7 @@ static void prompt_done(struct ro_agent *a, struct unit_rt *u)
 			return;
 		}
 		s->prefix_done = 0;
-		s->ready = !s->resumed_from;
+		s->ready = !s->prefix_len;
 		if (s->ready)
 			memcpy(s->logits, u->base_logits, a->vocab * sizeof(float));
 	}
@@ -397,7 +404,7 @@ static uint32_t commit(struct ro_agent *a, struct step *st)
 		case J_PREFIX:
 			s->prefix_done += j->n;
 			a->prefill_tokens += j->n;
-			if (s->prefix_done == s->resumed_from)
+			if (s->prefix_done == s->prefix_len)
 				s->ready = true;
 			break;
 		case J_DECODE:
@@ -415,6 +422,40 @@ static uint32_t commit(struct ro_agent *a, struct step *st)
 	}
 	a->n.tokens += decoded;
 	return decoded;
+}
+
+/* The step's forward: one batch, or (while policy-swap finish keeps old weights for the
+ * sequences that began on them) one batch per set of weights. */
+static int forward(struct ro_agent *a, struct step *st)
+{
+	struct ro_model *old = a->old_m; /* the engine alone changes it */
+	struct ro_fwd_item *part;
+	size_t n_old = 0, n_new = 0;
+	int r;
+
+	if (!old)
+		return ro_agent_forward(a, a->m, st->items, st->n_items);
+	part = malloc(st->n_items * sizeof(*part));
+	if (!part)
+		return -ENOMEM;
+	for (int pass = 0; pass < 2; pass++)
+		for (size_t k = 0; k < st->n_jobs; k++) {
+			const struct job *j = &st->jobs[k];
+			bool is_old = unit_model(a, j->u) == old;
+
+			if (j->item < 0 || is_old != (pass == 0))
+				continue;
+			part[n_old + n_new] = st->items[j->item];
+			if (pass == 0)
+				n_old++;
+			else
+				n_new++;
+		}
+	r = n_old ? ro_agent_forward(a, old, part, n_old) : 0;
+	if (!r && n_new)
+		r = ro_agent_forward(a, a->m, part + n_old, n_new);
+	free(part);
+	return r;
 }
 
 static void wake_loop(struct ro_agent *a)
@@ -452,6 +493,9 @@ static void *engine_main(void *arg)
 			wake_loop(a);
 			continue;
 		}
+		/* new weights swap in between two steps (policy.c) */
+		ro_policy_swap(a);
+		ro_policy_gc(a);
 		st.n_jobs = 0;
 		plan(a, &st);
 		a->engine_working = st.n_jobs > 0;
@@ -477,7 +521,7 @@ static void *engine_main(void *arg)
 		build(a, &st);
 		t0 = ro_now_ms();
 		if (st.n_items) {
-			r = ro_agent_forward(a, st.items, st.n_items);
+			r = forward(a, &st);
 			if (r)
 				isolate(a, &st, r);
 		}

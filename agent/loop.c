@@ -285,6 +285,7 @@ static int on_tick(sd_event_source *s, uint64_t usec, void *userdata)
 		ro_units_renew(a);
 		a->next_renew_ms = now + a->cfg.lease_ms / 3;
 	}
+	ro_policy_tick(a);
 	if (now >= a->next_backlog_ms && !a->backlog_busy) {
 		ro_units_backlog(a);
 		a->next_backlog_ms = now + 1000;
@@ -437,6 +438,7 @@ int ro_loop_run(struct ro_agent *a)
 	r = r < 0 ? 1 : a->rc;
 out:
 	ro_engine_stop(a);
+	ro_policy_stop(a);
 	ro_control_close(a);
 	sd_event_source_disable_unref(sig_term);
 	sd_event_source_disable_unref(sig_int);

@@ -380,6 +380,7 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	a->vocab = ro_model_config(a->m)->vocab;
+	a->policy_version = a->published_version = a->cfg.policy_version;
 	queue_opts(a, &qo);
 	r = ro_queue_new(&qo, &a->q);
 	if (!r)
@@ -426,7 +427,7 @@ int main(int argc, char **argv)
 	       "policy version %lld, prefill chunk %u",
 	       PACKAGE_VERSION, a->worker, a->cfg.queue, redis_shown, ro_queue_mode(a->q), ro_queue_node(a->q), a->cfg.model,
 	       ro_model_config(a->m)->arch == RO_ARCH_QWEN3_MOE ? "qwen3_moe" : "mixtral",
-	       ro_model_kernels(a->m), ro_model_threads(a->m), (long long)a->cfg.policy_version,
+	       ro_model_kernels(a->m), ro_model_threads(a->m), (long long)a->policy_version,
 	       a->cfg.prefill_chunk);
 	rc = ro_loop_run(a);
 	ro_log(LOG_INFO,

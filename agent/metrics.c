@@ -66,6 +66,15 @@ void ro_metrics_write(struct ro_agent *a)
 	G("trainer_lag", "Trainer lag on the samples stream.", "%lld", (long long)a->lag);
 	G("redis_up", "1 while the Redis connection is established.", "%d",
 	  ro_queue_connected(a->q) ? 1 : 0);
+	G("policy_version", "Policy version the engine serves.", "%lld",
+	  (long long)a->policy_version);
+	G("policy_published_version", "Policy version published in Redis.", "%lld",
+	  (long long)a->published_version);
+	C("policy_swaps_total", "Policy weights swapped in while running.", a->n.policy_swaps);
+	C("policy_errors_total", "Policy loads that failed (the old weights serve on).",
+	  a->n.policy_errors);
+	G("policy_download_bytes", "Bytes of the policy being made available so far.", "%llu",
+	  (unsigned long long)a->policy_bytes_done);
 	G("ready", "1 while running and Redis answers (the readiness probe).", "%d",
 	  ro_ready(a) ? 1 : 0);
 	C("redis_redirects_total", "Redirections followed (Cluster MOVED, a failover).",
@@ -138,9 +147,10 @@ static void on_heartbeat(void *arg, struct ro_queue_result *res)
 
 void ro_heartbeat(struct ro_agent *a)
 {
-	char units[16], act[16], tps[32], comp[24];
-	const char *kv[] = {"state", ro_state_name(a->state), "units", units,	    "in_flight",
-			    act,     "tokens_per_s",	      tps,     "completed", comp};
+	char units[16], act[16], tps[32], comp[24], pv[24];
+	const char *kv[] = {"state",	 ro_state_name(a->state), "units",	    units,
+			    "in_flight", act,			  "tokens_per_s",   tps,
+			    "completed", comp,			  "policy_version", pv};
 	struct ro_queue_cb cb = {on_heartbeat, a, a->cfg.status_interval_ms};
 	uint32_t held = 0;
 
@@ -154,6 +164,7 @@ void ro_heartbeat(struct ro_agent *a)
 	(void)snprintf(tps, sizeof(tps), "%.1f", a->tokens_per_s);
 	pthread_mutex_unlock(&a->mu);
 	(void)snprintf(comp, sizeof(comp), "%llu", (unsigned long long)a->n.completed);
-	if (!ro_queue_heartbeat_async(a->q, kv, 10, &cb))
+	(void)snprintf(pv, sizeof(pv), "%lld", (long long)a->policy_version);
+	if (!ro_queue_heartbeat_async(a->q, kv, 12, &cb))
 		a->hb_busy = true;
 }

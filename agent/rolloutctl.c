@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "agent/ctl.h"
+#include "agent/fetch.h"
 #include "queue/queue.h"
 
 struct ctl {
@@ -19,6 +20,9 @@ struct ctl {
 	const char *password, *password_file, *sentinel_password;
 	const char *tls_ca, *tls_cert, *tls_key, *tls_server_name, *cluster;
 	uint32_t timeout_ms, wait_replicas;
+	/* policy publish */
+	long long policy_version;
+	const char *uri, *s3_endpoint, *s3_region, *imds_endpoint;
 	bool json, follow;
 	long count;
 	const char *from;
@@ -44,6 +48,10 @@ static void usage(FILE *f)
 	    "  status                  pending, leased, done, dead, samples, trainer lag, workers\n"
 	    "  init                    load the queue's function library (an admin's right), so\n"
 	    "                          that workers need none\n"
+	    "  policy publish --version N --uri URI [--s3-endpoint URL] [--s3-region R]\n"
+	    "                          new weights for the queue's workers (file://, s3://,\n"
+	    "                          https://): every file's size and sha256 recorded\n"
+	    "  policy show             the published policy and how many workers run it\n"
 	    "  reap                    expired leases back to pending (or dead past the limit)\n"
 	    "  dead list               dead-lettered units with their reason and history\n"
 	    "  dead retry ID           a dead unit back to pending with a fresh attempt count\n"
@@ -151,6 +159,111 @@ static int open_queue(const struct ctl *c, struct ro_queue **ret)
 		exit(EXIT_USAGE);
 	}
 	return 0;
+}
+
+/* policy publish --version N --uri URI [--s3-endpoint URL] [--s3-region R]
+ * policy show */
+static int cmd_policy(const struct ctl *c, int argc, char **argv)
+{
+	struct ro_fetch_opts fo = {
+	    .s3_endpoint = c->s3_endpoint ? c->s3_endpoint : getenv("ROLLOUTD_S3_ENDPOINT"),
+	    .region = c->s3_region ? c->s3_region : getenv("ROLLOUTD_S3_REGION"),
+	    .imds_endpoint = c->imds_endpoint ? c->imds_endpoint : getenv("ROLLOUTD_IMDS_ENDPOINT"),
+	};
+	const char *uri = c->uri;
+	long long version = c->policy_version;
+	struct ro_queue *q = NULL;
+	int r, rc = EXIT_FAILURE;
+
+	if (argc != 1 || (strcmp(argv[0], "publish") && strcmp(argv[0], "show"))) {
+		(void)fprintf(stderr, "rolloutctl: policy publish --version N --uri URI | policy "
+				      "show\n");
+		return EXIT_USAGE;
+	}
+	if (fo.s3_endpoint && !*fo.s3_endpoint)
+		fo.s3_endpoint = NULL;
+	if (fo.region && !*fo.region)
+		fo.region = NULL;
+	if (!strcmp(argv[0], "publish")) {
+		struct ro_policy_manifest m = {0};
+		char err[1024] = "", host[128] = "rolloutctl";
+		char *js;
+		uint64_t bytes = 0;
+
+		if (version < 1 || !uri) {
+			(void)fprintf(stderr, "rolloutctl: policy publish wants --version N --uri URI\n");
+			return EXIT_USAGE;
+		}
+		r = ro_policy_manifest_compute(&fo, uri, &m, err, sizeof(err));
+		if (r) {
+			(void)fprintf(stderr, "rolloutctl: policy %s: %s\n", uri, err);
+			return EXIT_FAILURE;
+		}
+		if (!m.n) {
+			(void)fprintf(stderr, "rolloutctl: policy %s: no files\n", uri);
+			ro_policy_manifest_clear(&m);
+			return EXIT_FAILURE;
+		}
+		for (size_t i = 0; i < m.n; i++)
+			bytes += m.files[i].size;
+		js = ro_policy_manifest_json(&m);
+		(void)gethostname(host, sizeof(host) - 1);
+		if (open_queue(c, &q) || !js) {
+			free(js);
+			ro_policy_manifest_clear(&m);
+			return EXIT_FAILURE;
+		}
+		r = ro_queue_policy_publish(q, version, uri, js, host);
+		if (r < 0) {
+			rc = failed(q, r, "policy publish");
+			if (r == -EINVAL)
+				rc = EXIT_USAGE;
+		} else {
+			(void)printf("policy version %lld published: %s, %zu files, %.1f MiB\n",
+				     version, uri, m.n, (double)bytes / 1048576.0);
+			rc = EXIT_SUCCESS;
+		}
+		free(js);
+		ro_policy_manifest_clear(&m);
+	} else {
+		struct ro_policy_info p = {0};
+		struct ro_queue_stats st = {0};
+		uint32_t on = 0;
+
+		if (open_queue(c, &q))
+			return EXIT_FAILURE;
+		r = ro_queue_policy_get(q, &p);
+		if (!r)
+			r = ro_queue_stats(q, &st);
+		if (r) {
+			rc = failed(q, r, "policy show");
+		} else {
+			char pat[48];
+
+			(void)snprintf(pat, sizeof(pat), "\"policy_version\":\"%lld\"",
+				       (long long)p.version);
+			for (uint32_t i = 0; i < st.n_workers; i++)
+				on += st.workers[i].fields && strstr(st.workers[i].fields, pat);
+			if (c->json)
+				(void)printf("{\"version\":%lld,\"uri\":\"%s\",\"published_ms\":%lld,"
+					     "\"by\":\"%s\",\"workers\":%u,\"workers_on_it\":%u,"
+					     "\"manifest\":%s}\n",
+					     (long long)p.version, p.uri ? p.uri : "",
+					     (long long)p.published_ms, p.by ? p.by : "", st.n_workers,
+					     on, p.manifest ? p.manifest : "null");
+			else
+				(void)printf("version  %lld\nuri      %s\npublished %lld ms since "
+					     "the epoch by %s\nworkers  %u of %u on it\n",
+					     (long long)p.version, p.uri ? p.uri : "(none)",
+					     (long long)p.published_ms, p.by ? p.by : "", on,
+					     st.n_workers);
+			rc = EXIT_SUCCESS;
+		}
+		ro_policy_info_clear(&p);
+		ro_queue_stats_clear(&st);
+	}
+	(void)ro_queue_free(q);
+	return rc;
 }
 
 static int cmd_init(const struct ctl *c)
@@ -503,7 +616,12 @@ int main(int argc, char **argv)
 		O_SNI,
 		O_CLUSTER,
 		O_TIMEOUT,
-		O_WAIT
+		O_WAIT,
+		O_PVERSION,
+		O_URI,
+		O_S3EP,
+		O_S3REG,
+		O_IMDSEP
 	};
 	static const struct option opts[] = {
 	    {"redis", required_argument, NULL, O_REDIS},
@@ -527,6 +645,11 @@ int main(int argc, char **argv)
 	    {"redis-cluster", required_argument, NULL, O_CLUSTER},
 	    {"redis-timeout-ms", required_argument, NULL, O_TIMEOUT},
 	    {"redis-wait-replicas", required_argument, NULL, O_WAIT},
+	    {"version", required_argument, NULL, O_PVERSION},
+	    {"uri", required_argument, NULL, O_URI},
+	    {"s3-endpoint", required_argument, NULL, O_S3EP},
+	    {"s3-region", required_argument, NULL, O_S3REG},
+	    {"imds-endpoint", required_argument, NULL, O_IMDSEP},
 	    {"help", no_argument, NULL, 'h'},
 	    {0},
 	};
@@ -593,6 +716,20 @@ int main(int argc, char **argv)
 		case O_KEY: c.tls_key = optarg; break;
 		case O_SNI: c.tls_server_name = optarg; break;
 		case O_CLUSTER: c.cluster = optarg; break;
+		case O_URI: c.uri = optarg; break;
+		case O_S3EP: c.s3_endpoint = optarg; break;
+		case O_S3REG: c.s3_region = optarg; break;
+		case O_IMDSEP: c.imds_endpoint = optarg; break;
+		case O_PVERSION: {
+			char *end;
+
+			c.policy_version = strtoll(optarg, &end, 10);
+			if (*end || c.policy_version < 1) {
+				(void)fprintf(stderr, "rolloutctl: --version wants a positive integer\n");
+				return EXIT_USAGE;
+			}
+			break;
+		}
 		case O_TIMEOUT:
 		case O_WAIT:
 		case O_COUNT:
@@ -645,6 +782,8 @@ int main(int argc, char **argv)
 		return cmd_status(&c);
 	if (!strcmp(argv[0], "init") && argc == 1)
 		return cmd_init(&c);
+	if (!strcmp(argv[0], "policy"))
+		return cmd_policy(&c, argc - 1, argv + 1);
 	if (!strcmp(argv[0], "reap") && argc == 1)
 		return cmd_reap(&c);
 	if (!strcmp(argv[0], "dead"))

@@ -30,6 +30,9 @@ struct ro_config {
 	char *control_socket;
 	uint32_t threads;
 	int64_t policy_version;
+	uint32_t policy_swap; /* 0 recompute, 1 finish */
+	uint32_t max_policy_lag;
+	char *weights_cache, *s3_region, *s3_endpoint;
 	uint32_t log_level; /* syslog LOG_* */
 	/* expert parallelism */
 	char *ep_group, *fabric_provider;

@@ -290,6 +290,9 @@ static int samples_owed(struct ro_agent *a, struct unit_rt *u)
 		s->lp = malloc((u->u.max_new_tokens + 1) * sizeof(*s->lp));
 		if (!s->tok || !s->lp)
 			return -ENOMEM;
+		/* its tokens from here on: this worker's weights (an engine swap adds more) */
+		s->pv[0] = (struct ro_pv){0, a->policy_version};
+		s->n_pv = 1;
 		if (!p || !p->len)
 			continue;
 		if (!progress_ok(a, &u->u, p, why, sizeof(why))) {
@@ -301,7 +304,17 @@ static int samples_owed(struct ro_agent *a, struct unit_rt *u)
 		}
 		memcpy(s->tok, p->tokens, p->len * sizeof(*s->tok));
 		memcpy(s->lp, p->logprobs, p->len * sizeof(*s->lp));
-		s->len = s->resumed_from = s->ckpt_len = p->len;
+		s->len = s->resumed_from = s->prefix_len = s->ckpt_len = p->len;
+		/* the prefix keeps the versions that made it; what follows is ours */
+		if (p->n_pv) {
+			memcpy(s->pv, p->pv, p->n_pv * sizeof(p->pv[0]));
+			s->n_pv = p->n_pv;
+		} else {
+			s->pv[0] = (struct ro_pv){0, p->policy_version};
+			s->n_pv = 1;
+		}
+		if (s->pv[s->n_pv - 1].version != a->policy_version && s->n_pv < RO_MAX_PV)
+			s->pv[s->n_pv++] = (struct ro_pv){p->len, a->policy_version};
 	}
 	return 0;
 }
@@ -326,12 +339,12 @@ static void admit(struct ro_agent *a, struct ro_claim *c, int64_t sent_ms, bool 
 	a->n.claimed++;
 	if (!unit_fits(a, u, why, sizeof(why))) {
 		end = END_DEAD;
-	} else if (u->u.min_policy_version > a->cfg.policy_version) {
+	} else if (u->u.min_policy_version > a->policy_version) {
 		/* needs newer weights than ours: back to the queue for a worker that has
 		 * them; we look again in a while */
 		ro_log(LOG_NOTICE,
 		       "unit %s needs policy version %lld, this worker has %lld: released", u->c.id,
-		       (long long)u->u.min_policy_version, (long long)a->cfg.policy_version);
+		       (long long)u->u.min_policy_version, (long long)a->policy_version);
 		a->defer_until_ms = ro_now_ms() + 1000;
 		end = END_RELEASE;
 	} else if ((r = samples_owed(a, u))) {
@@ -442,6 +455,8 @@ static void on_woken(void *arg, struct ro_queue_result *res)
 		a->next_claim_ms = ro_now_ms() + 500; /* Redis away: no hurry */
 	else
 		a->next_claim_ms = 0; /* woken, or a second passed: look again */
+	if (res->r >= 0 && res->woken)
+		a->next_policy_ms = 0; /* a new policy wakes idle workers too */
 }
 
 /* Idle: block (on the second connection) on the wake-up marker rather than poll. */
@@ -467,6 +482,10 @@ void ro_units_claim(struct ro_agent *a)
 
 	if (a->state != RO_RUNNING || a->stop_claiming || a->backpressure || a->claim_busy ||
 	    !a->held_done || now < a->next_claim_ms || now < a->defer_until_ms)
+		return;
+	/* the staleness bound: too far behind the published policy, catch up first */
+	if (a->cfg.max_policy_lag &&
+	    a->published_version - a->policy_version > (int64_t)a->cfg.max_policy_lag)
 		return;
 	pthread_mutex_lock(&a->mu);
 	active = ro_units_active(a);
@@ -615,11 +634,17 @@ static void publish(struct ro_agent *a, struct unit_rt *u)
 		}
 		s->in_publish = true;
 		x->idx[x->k] = s->idx;
-		smp[x->k++] =
-		    (struct ro_sample){s->idx,		s->tok,
-				       s->lp,		s->len,
-				       s->finish,	a->cfg.policy_version,
-				       s->resumed_from, (uint64_t)(ro_now_ms() - s->start_ms)};
+		smp[x->k++] = (struct ro_sample){
+		    .idx = s->idx,
+		    .tokens = s->tok,
+		    .logprobs = s->lp,
+		    .len = s->len,
+		    .finish = s->finish,
+		    .policy_version = s->n_pv ? s->pv[s->n_pv - 1].version : a->policy_version,
+		    .resumed_from = s->resumed_from,
+		    .gen_ms = (uint64_t)(ro_now_ms() - s->start_ms),
+		    .pv = s->pv,
+		    .n_pv = s->n_pv};
 	}
 	cb = (struct ro_queue_cb){on_published, x, a->cfg.redis_timeout_ms * 3};
 	if (!x->k || ro_queue_publish_async(a->q, &u->c, smp, x->k, left == 0, &cb)) {
@@ -683,8 +708,15 @@ static uint32_t progress_of_unit(const struct ro_agent *a, struct unit_rt *u, st
 		if (only_due && s->len - s->ckpt_len < a->cfg.checkpoint_tokens &&
 		    now - s->ckpt_at < (int64_t)a->cfg.checkpoint_ms)
 			continue;
-		p[k] = (struct ro_progress){s->idx, s->len, s->tok,
-					    s->lp,  s->len, a->cfg.policy_version};
+		p[k] = (struct ro_progress){
+		    .idx = s->idx,
+		    .len = s->len,
+		    .tokens = s->tok,
+		    .logprobs = s->lp,
+		    .sampler_pos = s->len,
+		    .policy_version = s->n_pv ? s->pv[s->n_pv - 1].version : a->policy_version};
+		memcpy(p[k].pv, s->pv, s->n_pv * sizeof(s->pv[0]));
+		p[k].n_pv = s->n_pv;
 		if (x) {
 			x->idx[k] = s->idx;
 			x->len[k] = s->len;

@@ -66,9 +66,32 @@ char *ro_json_floats(const float *v, uint32_t n)
 	return s;
 }
 
+char *ro_json_pv(const struct ro_pv *pv, uint32_t n_pv, uint32_t len, int64_t dflt)
+{
+	struct ro_pv one = {0, dflt};
+	size_t cap = (size_t)(n_pv ? n_pv : 1) * 48 + 3, off = 0;
+	char *s = malloc(cap);
+
+	if (!s)
+		return NULL;
+	if (!n_pv) {
+		pv = &one;
+		n_pv = 1;
+	}
+	off += (size_t)snprintf(s + off, cap - off, "[");
+	for (uint32_t i = 0; i < n_pv; i++) {
+		uint32_t end = i + 1 < n_pv ? pv[i + 1].start : len;
+
+		off += (size_t)snprintf(s + off, cap - off, "%s[%u,%u,%" PRId64 "]", i ? "," : "",
+					pv[i].start, end, pv[i].version);
+	}
+	(void)snprintf(s + off, cap - off, "]");
+	return s;
+}
+
 char *ro_progress_encode(const struct ro_progress *p)
 {
-	size_t cap = (size_t)p->len * 30 + 96, off = 0;
+	size_t cap = (size_t)p->len * 30 + 96 + RO_MAX_PV * 32, off = 0;
 	char *s = malloc(cap);
 
 	if (!s)
@@ -77,8 +100,16 @@ char *ro_progress_encode(const struct ro_progress *p)
 	off += put_ints(s + off, cap - off, p->tokens, p->len);
 	off += (size_t)snprintf(s + off, cap - off, ",\"logprobs\":");
 	off += put_floats(s + off, cap - off, p->logprobs, p->len);
-	(void)snprintf(s + off, cap - off, ",\"pos\":%" PRIu64 ",\"pv\":%" PRId64 "}",
-		       p->sampler_pos, p->policy_version);
+	off += (size_t)snprintf(s + off, cap - off, ",\"pos\":%" PRIu64 ",\"pv\":%" PRId64,
+				p->sampler_pos, p->policy_version);
+	if (p->n_pv) {
+		off += (size_t)snprintf(s + off, cap - off, ",\"pvs\":[");
+		for (uint32_t i = 0; i < p->n_pv && i < RO_MAX_PV; i++)
+			off += (size_t)snprintf(s + off, cap - off, "%s[%u,%" PRId64 "]",
+						i ? "," : "", p->pv[i].start, p->pv[i].version);
+		off += (size_t)snprintf(s + off, cap - off, "]");
+	}
+	(void)snprintf(s + off, cap - off, "}");
 	return s;
 }
 
@@ -118,6 +149,25 @@ int ro_progress_decode(const char *s, uint32_t idx, struct ro_progress *ret)
 	p.sampler_pos = (uint64_t)json_object_get_int64(pos);
 	if (json_object_object_get_ex(o, "pv", &pv))
 		p.policy_version = json_object_get_int64(pv);
+	if (json_object_object_get_ex(o, "pvs", &pv) && json_object_is_type(pv, json_type_array)) {
+		size_t k = json_object_array_length(pv);
+
+		for (size_t i = 0; i < k && p.n_pv < RO_MAX_PV; i++) {
+			struct json_object *e = json_object_array_get_idx(pv, i);
+			int64_t st;
+
+			if (!json_object_is_type(e, json_type_array) ||
+			    json_object_array_length(e) != 2)
+				goto out;
+			st = json_object_get_int64(json_object_array_get_idx(e, 0));
+			/* in order, inside the prefix */
+			if (st < 0 || st > (int64_t)p.len ||
+			    (p.n_pv && st < (int64_t)p.pv[p.n_pv - 1].start))
+				goto out;
+			p.pv[p.n_pv].start = (uint32_t)st;
+			p.pv[p.n_pv++].version = json_object_get_int64(json_object_array_get_idx(e, 1));
+		}
+	}
 	*ret = p;
 	memset(&p, 0, sizeof(p));
 	r = 0;

@@ -311,8 +311,20 @@ struct op {
 	char msg[256];
 };
 
+void ro_policy_info_clear(struct ro_policy_info *p)
+{
+	free(p->uri);
+	free(p->manifest);
+	free(p->by);
+	memset(p, 0, sizeof(*p));
+}
+
 static void result_clear(struct ro_queue_result *res)
 {
+	if (res->policy) {
+		ro_policy_info_clear(res->policy);
+		free(res->policy);
+	}
 	ro_claims_free(res->claims, res->n_claims);
 	free(res->ok);
 	free(res->ids);
@@ -934,7 +946,7 @@ static void args_publish(struct ro_queue *q, struct args *a, const struct ro_cla
 		bool meta = c->meta && c->meta[0];
 
 		args_fmt(a, "%u", x->idx);
-		args_str(a, meta ? "11" : "10");
+		args_str(a, meta ? "12" : "11");
 		args_str(a, "unit");
 		args_str(a, c->id);
 		args_str(a, "idx");
@@ -953,6 +965,8 @@ static void args_publish(struct ro_queue *q, struct args *a, const struct ro_cla
 		args_fmt(a, "%lld", (long long)x->policy_version);
 		args_str(a, "resumed_from");
 		args_fmt(a, "%u", x->resumed_from);
+		args_str(a, "policy_versions");
+		args_take(a, ro_json_pv(x->pv, x->n_pv, x->len, x->policy_version));
 		args_str(a, "gen_ms");
 		args_fmt(a, "%llu", (unsigned long long)x->gen_ms);
 		if (meta) {
@@ -1639,7 +1653,8 @@ static char *entry_json(const redisReply *e)
 		const char *k = f->element[i]->str, *v = f->element[i + 1]->str;
 		struct json_object *val = NULL;
 
-		if (!strcmp(k, "tokens") || !strcmp(k, "logprobs") || !strcmp(k, "meta"))
+		if (!strcmp(k, "tokens") || !strcmp(k, "logprobs") || !strcmp(k, "meta") ||
+		    !strcmp(k, "policy_versions"))
 			val = json_tokener_parse(v);
 		else if (!strcmp(k, "idx") || !strcmp(k, "attempt") ||
 			 !strcmp(k, "policy_version") || !strcmp(k, "resumed_from") ||
@@ -1815,4 +1830,85 @@ int ro_queue_init_library(struct ro_queue *q)
 		return r;
 	freeReplyObject(rep);
 	return 1;
+}
+
+/* ---- the policy ------------------------------------------------------------------------ */
+
+int ro_queue_policy_publish(struct ro_queue *q, int64_t version, const char *uri,
+			    const char *manifest_json, const char *by)
+{
+	struct args a = {0};
+	struct ro_queue_result res = {0};
+	int r;
+
+	fcall_start(q, &a, "ro_policy_publish");
+	args_fmt(&a, "%lld", (long long)version);
+	args_str(&a, uri);
+	args_str(&a, manifest_json ? manifest_json : "{\"files\":[]}");
+	args_str(&a, by ? by : "");
+	r = run(q, &a, parse_int, 0, &res);
+	result_clear(&res);
+	return r;
+}
+
+static int parse_policy(struct op *op, redisReply *rep)
+{
+	struct ro_policy_info *p = calloc(1, sizeof(*p));
+
+	if (!p || rep->type != REDIS_REPLY_ARRAY) {
+		free(p);
+		return bad_reply(op->q, rep, "the policy");
+	}
+	for (size_t i = 0; i + 1 < rep->elements; i += 2) {
+		const char *k = rep->element[i]->str, *v = rep->element[i + 1]->str;
+
+		if (!k || !v)
+			continue;
+		if (!strcmp(k, "version"))
+			p->version = strtoll(v, NULL, 10);
+		else if (!strcmp(k, "published_ms"))
+			p->published_ms = strtoll(v, NULL, 10);
+		else if (!strcmp(k, "uri") && !p->uri)
+			p->uri = strdup(v);
+		else if (!strcmp(k, "manifest") && !p->manifest)
+			p->manifest = strdup(v);
+		else if (!strcmp(k, "by") && !p->by)
+			p->by = strdup(v);
+	}
+	freeReplyObject(rep);
+	op->res.policy = p;
+	return 0;
+}
+
+int ro_queue_policy_get_async(struct ro_queue *q, const struct ro_queue_cb *cb)
+{
+	struct args a = {0};
+	char key[300];
+	int r;
+
+	args_str(&a, "HGETALL");
+	args_str(&a, ro_queue_key(q, "policy", key, sizeof(key)));
+	r = submit(q, &a, parse_policy, 0, cb, NULL);
+	args_clear(&a);
+	return r;
+}
+
+int ro_queue_policy_get(struct ro_queue *q, struct ro_policy_info *ret)
+{
+	struct args a = {0};
+	struct ro_queue_result res = {0};
+	char key[300];
+	int r;
+
+	memset(ret, 0, sizeof(*ret));
+	args_str(&a, "HGETALL");
+	args_str(&a, ro_queue_key(q, "policy", key, sizeof(key)));
+	r = run(q, &a, parse_policy, 0, &res);
+	if (!r && res.policy) {
+		*ret = *res.policy;
+		free(res.policy);
+		res.policy = NULL;
+	}
+	result_clear(&res);
+	return r;
 }

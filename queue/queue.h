@@ -80,6 +80,15 @@ struct ro_unit {
 	int64_t min_policy_version;
 };
 
+/* Which policy made which tokens of a sample: tokens from start on (up to the next
+ * segment's start, or the end) came from version. A sample whose weights were swapped
+ * while it ran has several. */
+struct ro_pv {
+	uint32_t start;
+	int64_t version;
+};
+#define RO_MAX_PV 16
+
 /* Progress of an unfinished sample: the generated prefix and where the sampler stands. */
 struct ro_progress {
 	uint32_t idx;
@@ -88,6 +97,9 @@ struct ro_progress {
 	float *logprobs;
 	uint64_t sampler_pos;
 	int64_t policy_version;
+	/* the prefix's versions ("pvs"); none: all of it policy_version */
+	struct ro_pv pv[RO_MAX_PV];
+	uint32_t n_pv;
 };
 
 /* A unit as claimed. */
@@ -114,6 +126,10 @@ struct ro_sample {
 	int64_t policy_version;
 	uint32_t resumed_from;
 	uint64_t gen_ms;
+	/* the "policy_versions" field, [[start, end, version], ...]; none: one segment of
+	 * policy_version */
+	const struct ro_pv *pv;
+	uint32_t n_pv;
 };
 
 struct ro_queue_stats {
@@ -223,6 +239,20 @@ int ro_queue_backlog(struct ro_queue *q, const char *group, int64_t *ret_len, in
 int ro_queue_stats(struct ro_queue *q, struct ro_queue_stats *ret);
 /* The current policy version (ro:{q}:policy field "version"; 0 when unset). */
 int ro_queue_policy_version(struct ro_queue *q, int64_t *ret);
+
+/* The queue's policy (ro:{q}:policy): the weights workers should generate with. */
+struct ro_policy_info {
+	int64_t version; /* 0: none published */
+	int64_t published_ms;
+	char *uri;	/* file:///dir/, s3://bucket/prefix/, https://... */
+	char *manifest; /* JSON: {"files":[{"name","size","sha256"},...]} */
+	char *by;
+};
+void ro_policy_info_clear(struct ro_policy_info *p);
+/* Record version (refused, -EINVAL, unless above the current one) and wake idle workers. */
+int ro_queue_policy_publish(struct ro_queue *q, int64_t version, const char *uri,
+			    const char *manifest_json, const char *by);
+int ro_queue_policy_get(struct ro_queue *q, struct ro_policy_info *ret);
 void ro_queue_stats_clear(struct ro_queue_stats *s);
 
 /* Samples stream as JSON lines: entries after *cursor ("0" or "$" to start), up to count;
@@ -266,6 +296,7 @@ struct ro_queue_result {
 	bool woken;	  /* wait: a wake-up marker was taken */
 	int64_t len, lag; /* backlog */
 	int64_t value;	  /* checkpoint: samples written; fail: 2 dead-lettered, 1 back */
+	struct ro_policy_info *policy; /* policy_get: the callback may take it (set NULL) */
 	/* When (CLOCK_MONOTONIC ms) the command was last written: the server ran it after
 	 * that, so a lease it granted or renewed lasts at least until sent_ms + lease. */
 	int64_t sent_ms;
@@ -312,6 +343,7 @@ int ro_queue_heartbeat_async(struct ro_queue *q, const char *const *kv, size_t n
 			     const struct ro_queue_cb *cb);
 int ro_queue_wait_async(struct ro_queue *q, uint32_t timeout_ms, const struct ro_queue_cb *cb);
 int ro_queue_backlog_async(struct ro_queue *q, const char *group, const struct ro_queue_cb *cb);
+int ro_queue_policy_get_async(struct ro_queue *q, const struct ro_queue_cb *cb);
 
 /* Progress encoding (the checkpoint format stored in the unit hash). */
 char *ro_progress_encode(const struct ro_progress *p);

@@ -523,7 +523,27 @@ local function heartbeat(keys, args)
 	return now
 end
 
+-- KEYS[1]: prefix. ARGV: version, uri, manifest (JSON), by. A new policy for the queue's
+-- workers: refused unless its version is above the current one; idle workers woken.
+local function policy_publish(keys, args)
+	local P = keys[1]
+	local v = tonumber(args[1])
+	if not v or v < 1 or v ~= math.floor(v) then
+		return err('BADARG', 'policy publish: the version must be a positive integer')
+	end
+	local cur = tonumber(redis.call('HGET', P .. 'policy', 'version') or '0') or 0
+	if v <= cur then
+		return err('BADARG', 'policy publish: version ' .. args[1] ..
+			' is not greater than the current ' .. cur)
+	end
+	redis.call('HSET', P .. 'policy', 'version', args[1], 'uri', args[2], 'manifest', args[3],
+		'published_ms', tostring(now_ms()), 'by', args[4])
+	wake(P)
+	return cur
+end
+
 redis.register_function('ro_version', function() return VERSION end)
+redis.register_function('ro_policy_publish', policy_publish)
 redis.register_function('ro_enqueue', enqueue)
 redis.register_function('ro_claim', claim)
 redis.register_function('ro_renew', renew)
