@@ -57,7 +57,7 @@ class State:
         self.imdsv2_only = a.imdsv2
         self.max_ttl = 21600
         self.tokens = {}  # token -> expiry (monotonic)
-        self.counts = {"put": 0, "get": 0, "401": 0, "control": 0}
+        self.counts = {"put": 0, "get": 0, "401": 0, "control": 0, "iam": 0}
         self.identity = {
             "instance-id": a.instance_id,
             "instance-type": a.instance_type,
@@ -74,6 +74,10 @@ class State:
         self.maintenance = []  # list of dicts
         self.fault = None  # dict(kind, until, path, ms)
         now = time.time()
+        self.iam = None  # dict(role, AccessKeyId, SecretAccessKey, Token, expires): the profile
+        if a.iam_role:
+            self.set_iam(a.iam_role, a.iam_access_key_id, a.iam_secret_access_key,
+                         a.iam_token, a.iam_expires_in, now)
         if a.mock_delay_sec is not None or a.mock_trigger_time or a.spot:
             appear = now + (a.mock_delay_sec or 0)
             if a.mock_trigger_time:
@@ -88,6 +92,11 @@ class State:
             self.rebalance = {"appear": appear}
         if a.maintenance:
             self.add_maintenance(a.maintenance, now + 3 * 86400)
+
+    def set_iam(self, role, key, secret, token, expires_in, now):
+        self.iam = {"role": role, "AccessKeyId": key, "SecretAccessKey": secret,
+                    "Token": token, "expires": now + float(expires_in),
+                    "updated": now}
 
     def add_maintenance(self, code, start):
         ev = {"Code": code, "Description": "The instance is scheduled for %s" % code,
@@ -111,6 +120,7 @@ class State:
                 "appear_epoch": self.rebalance["appear"],
                 "visible": now >= self.rebalance["appear"]},
             "lifecycle": self.lifecycle,
+            "iam_role": self.iam["role"] if self.iam else None,
             "maintenance": self.maintenance,
             "fault": None if not f or time.monotonic() >= f["until"] else {
                 "kind": f["kind"], "path": f["path"],
@@ -333,6 +343,29 @@ class Handler(BaseHTTPRequestHandler):
                        "imageId": st.identity["ami-id"], "architecture": "x86_64",
                        "accountId": "123456789012", "privateIp": "127.0.0.1"}
                 return 200, json.dumps(doc, indent=2), "text/plain"
+            if path in ("/latest/meta-data/iam/security-credentials",
+                        "/latest/meta-data/iam/security-credentials/"):
+                if not st.iam:
+                    return 404, NOT_FOUND_HTML, "text/html"
+                return 200, st.iam["role"], "text/plain"
+            if path.startswith("/latest/meta-data/iam/security-credentials/"):
+                role = path[len("/latest/meta-data/iam/security-credentials/"):]
+                if not st.iam or role != st.iam["role"]:
+                    return 404, NOT_FOUND_HTML, "text/html"
+                st.counts["iam"] += 1
+                doc = {"Code": "Success", "LastUpdated": rfc3339(st.iam["updated"]),
+                       "Type": "AWS-HMAC", "AccessKeyId": st.iam["AccessKeyId"],
+                       "SecretAccessKey": st.iam["SecretAccessKey"], "Token": st.iam["Token"],
+                       "Expiration": rfc3339(st.iam["expires"])}
+                return 200, json.dumps(doc, indent=2), "text/plain"
+            if path == "/latest/meta-data/iam/info":
+                if not st.iam:
+                    return 404, NOT_FOUND_HTML, "text/html"
+                doc = {"Code": "Success", "LastUpdated": rfc3339(st.iam["updated"]),
+                       "InstanceProfileArn": "arn:aws:iam::123456789012:instance-profile/"
+                       + st.iam["role"],
+                       "InstanceProfileId": "AIPAEXAMPLEPROFILEID0"}
+                return 200, json.dumps(doc, indent=2), "text/plain"
             if path.startswith("/latest/meta-data/"):
                 key = path[len("/latest/meta-data/"):]
                 if key in st.identity:
@@ -393,6 +426,17 @@ class Handler(BaseHTTPRequestHandler):
                 st.fault = {"kind": kind, "until": time.monotonic() + float(q.get("for", 5)),
                             "path": q.get("path", ""), "ms": int(q.get("ms", 3000))}
                 return {"fault": kind, "for": float(q.get("for", 5))}
+            if what == "iam":  # the instance profile's credentials; role=none: no profile
+                if q.get("role") == "none":
+                    st.iam = None
+                    return {"iam": None}
+                cur = st.iam or {}
+                st.set_iam(q.get("role", cur.get("role", "rolloutd-node")),
+                           q.get("key", cur.get("AccessKeyId", "ASIAMOCKIMDSKEY00001")),
+                           q.get("secret", cur.get("SecretAccessKey", "mock-imds-secret")),
+                           q.get("token", cur.get("Token", "mock-imds-session-token")),
+                           q.get("expires_in", 21600), now)
+                return {"iam": st.iam["role"], "expiration": rfc3339(st.iam["expires"])}
             if what == "revoke":  # every token becomes invalid: clients see 401
                 n = len(st.tokens)
                 st.tokens.clear()
@@ -441,6 +485,13 @@ def main():
     p.add_argument("--instance-id", default="i-0123456789abcdef0")
     p.add_argument("--instance-type", default="p5en.48xlarge")
     p.add_argument("--az", default="us-east-1a")
+    p.add_argument("--iam-role", default=None,
+                   help="serve an instance profile with this role (iam/security-credentials/)")
+    p.add_argument("--iam-access-key-id", default="ASIAMOCKIMDSKEY00001")
+    p.add_argument("--iam-secret-access-key", default="mock-imds-secret")
+    p.add_argument("--iam-token", default="mock-imds-session-token")
+    p.add_argument("--iam-expires-in", type=float, default=21600,
+                   help="the credentials' Expiration, seconds after they are set")
     p.add_argument("--port-file", default=None, help="write the bound port here")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args()
