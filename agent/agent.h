@@ -127,6 +127,12 @@ struct ro_agent {
 	int64_t hard_wall_ms;	  /* past it, exit even if Redis took nothing */
 	/* the engine's figures, under mu */
 	double step_ms, tokens_per_s;
+	/* the last steps' times, for the swap's figures: the median before the last swap
+	 * and the longest step from the swap until its caches were rebuilt (+8 steps) */
+	float step_ring[256];
+	uint32_t step_ring_n, swap_watch;
+	double swap_median_ms, swap_max_ms;
+	int64_t swap_at_ms, swap_first_token_ms;
 	double prefill_tokens_per_s;
 	int64_t engine_beat_ms; /* the end of its last step (monotonic) */
 	bool engine_working;

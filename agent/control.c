@@ -54,8 +54,9 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 {
 	int64_t now = ro_wall_ms(), mono = ro_now_ms();
 	uint32_t held = 0, unckpt, active;
-	double tps, step, pps;
-	int64_t engine_age;
+	double tps, step, pps, swap_median, swap_max;
+	int64_t engine_age, swap_at, swap_first;
+	bool swap_watch;
 	size_t n;
 
 	pthread_mutex_lock(&a->mu);
@@ -68,6 +69,11 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 	pps = a->prefill_tokens_per_s;
 	/* the engine's age counts only while it has work: an idle engine is not stuck */
 	engine_age = a->engine_working ? mono - a->engine_beat_ms : 0;
+	swap_median = a->swap_median_ms;
+	swap_max = a->swap_max_ms;
+	swap_watch = a->swap_watch != 0;
+	swap_at = a->swap_at_ms;
+	swap_first = a->swap_first_token_ms;
 	pthread_mutex_unlock(&a->mu);
 	(void)snprintf(buf, len,
 		       "{\"state\":\"%s\",\"ready\":%s,\"worker\":\"%s\",\"units\":%u,\"in_flight\":%u,"
@@ -81,7 +87,9 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 		       "\"uncheckpointed_max\":%u,\"policy_version\":%lld,"
 		       "\"policy_published\":%lld,\"policy_loading\":%s,\"policy_swaps\":%llu,"
 		       "\"policy_errors\":%llu,\"policy_bytes_done\":%llu,"
-		       "\"policy_bytes_total\":%llu",
+		       "\"policy_bytes_total\":%llu,\"swap_median_step_ms\":%.2f,"
+		       "\"swap_max_step_ms\":%.2f,\"swap_watching\":%s,\"swap_at_ms\":%lld,"
+		       "\"swap_first_token_ms\":%lld",
 		       ro_state_name(a->state), ro_ready(a) ? "true" : "false", a->worker, held, active, tps, step, pps,
 		       a->backpressure ? "true" : "false", (long long)a->lag,
 		       a->stop_claiming ? "true" : "false",
@@ -98,7 +106,8 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 		       a->policy_loading ? "true" : "false",
 		       (unsigned long long)a->n.policy_swaps, (unsigned long long)a->n.policy_errors,
 		       (unsigned long long)a->policy_bytes_done,
-		       (unsigned long long)a->policy_bytes_total);
+		       (unsigned long long)a->policy_bytes_total, swap_median, swap_max,
+		       swap_watch ? "true" : "false", (long long)swap_at, (long long)swap_first);
 	if (a->ep) {
 		struct ro_ep_stats st;
 
@@ -140,7 +149,7 @@ static void client_free(struct client *c)
 static void command(struct client *c, const char *line)
 {
 	struct ro_agent *a = c->ctl->a;
-	char rep[4096];
+	char rep[8192];
 	char *end;
 	size_t n;
 

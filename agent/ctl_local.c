@@ -165,7 +165,7 @@ int ro_ctl_status_local(int argc, char **argv)
 	const char *path = default_socket();
 	bool ready = false, live = false;
 	double max_age = 60000;
-	char rep[2048];
+	char rep[8192];
 	int ch, r;
 
 	optind = 1;

@@ -424,6 +424,29 @@ static uint32_t commit(struct ro_agent *a, struct step *st)
 	return decoded;
 }
 
+/* Under mu: a step's time for the swap's figures. After a swap, the watch runs until no
+ * sequence is rebuilding its cache any more, and eight steps beyond. */
+static void note_step(struct ro_agent *a, const struct step *st, double ms)
+{
+	bool rebuilding = false, decoded_new = false;
+
+	a->step_ring[a->step_ring_n++ % 256] = (float)ms;
+	if (!a->swap_watch)
+		return;
+	for (size_t k = 0; k < st->n_jobs; k++) {
+		rebuilding |= st->jobs[k].kind == J_PROMPT || st->jobs[k].kind == J_PREFIX;
+		decoded_new |= st->jobs[k].kind == J_DECODE || st->jobs[k].kind == J_FINISH;
+	}
+	if (ms > a->swap_max_ms)
+		a->swap_max_ms = ms;
+	if (decoded_new && !a->swap_first_token_ms)
+		a->swap_first_token_ms = ro_now_ms();
+	if (rebuilding)
+		a->swap_watch = 1;
+	else if (++a->swap_watch > 8)
+		a->swap_watch = 0;
+}
+
 /* The step's forward: one batch, or (while policy-swap finish keeps old weights for the
  * sequences that began on them) one batch per set of weights. */
 static int forward(struct ro_agent *a, struct step *st)
@@ -534,6 +557,8 @@ static void *engine_main(void *arg)
 		prefilled = a->prefill_tokens - prefilled;
 		if (st.n_items && !r) {
 			double ms = (double)(ro_now_ms() - t0);
+
+			note_step(a, &st, ms);
 
 			if (ms < 0.01)
 				ms = 0.01;

@@ -276,6 +276,25 @@ void ro_policy_swap(struct ro_agent *a)
 	}
 	a->m = a->next_m;
 	a->next_m = NULL;
+	{
+		/* the figures of this swap: the median step before it, the longest after */
+		uint32_t n = a->step_ring_n < 256 ? a->step_ring_n : 256;
+		float v[256];
+
+		memcpy(v, a->step_ring, n * sizeof(v[0]));
+		for (uint32_t i = 1; i < n; i++)
+			for (uint32_t j = i; j > 0 && v[j - 1] > v[j]; j--) {
+				float t = v[j];
+
+				v[j] = v[j - 1];
+				v[j - 1] = t;
+			}
+		a->swap_median_ms = n ? v[n / 2] : 0;
+		a->swap_max_ms = 0;
+		a->swap_watch = 1;
+		a->swap_at_ms = ro_now_ms();
+		a->swap_first_token_ms = 0;
+	}
 	if (keep_old) {
 		a->old_m = old;
 		a->old_version = a->policy_version;

@@ -112,7 +112,7 @@ void ro_test_agent_dump_log(const struct ro_test_agent *ag)
 
 const char *ro_test_agent_status(const struct ro_test_agent *ag, const char *req)
 {
-	static char buf[4096];
+	static char buf[8192];
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	int fd = socket(AF_UNIX, SOCK_STREAM, 0);
 	ssize_t n;

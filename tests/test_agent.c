@@ -1093,7 +1093,8 @@ Test(agent, bad_checkpoints_restart_their_samples, .timeout = 180)
 	char q[64], ref[64];
 	int32_t big[2] = {5, 99999}, neg[1] = {-3};
 	float lp2[2] = {-0.5f, -0.25f}, lp1[1] = {-1.0f};
-	struct ro_progress p0 = {0, 2, big, lp2, 2, 0}, p1 = {1, 1, neg, lp1, 1, 0};
+	struct ro_progress p0 = {.idx = 0, .len = 2, .tokens = big, .logprobs = lp2, .sampler_pos = 2},
+			   p1 = {.idx = 1, .len = 1, .tokens = neg, .logprobs = lp1, .sampler_pos = 1};
 	char *e0 = ro_progress_encode(&p0), *e1 = ro_progress_encode(&p1);
 	struct ro_test_agent a;
 

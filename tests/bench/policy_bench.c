@@ -1,0 +1,374 @@
+/* policy_bench: new weights reaching a running rolloutd. On the 0.9B bench model
+ * (decode_bench's: 16 layers, hidden 1024, 64 experts top-8, vocab 32768, bf16) an agent
+ * decodes 8 sequences; a new version is published (file://, then s3:// on a loopback
+ * moto_server) and the bench reads from the agent's status: publish -> swap (the version
+ * loaded beside the serving one and swapped in between two steps), publish -> the first
+ * token drawn with it, and the decode step times around the swap (the median of the steps
+ * before, the longest from the swap until the caches were rebuilt, recompute) against the
+ * goal of 2x. Then the fetcher's download throughput from moto against the curl CLI
+ * fetching the same objects in the same run.
+ *
+ *   policy_bench [--models DIR] [--threads N] [--swap recompute|finish] [--chunk C] */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "agent/fetch.h"
+#include "kernels/model.h"
+#include "tests/redis_fixture.h"
+#include "tests/testutil.h"
+
+static const char *bin(const char *env, const char *dflt)
+{
+	const char *p = getenv(env);
+
+	return p && *p ? p : dflt;
+}
+
+static int ensure_model(const char *dir, uint64_t seed)
+{
+	struct ro_make_model_opts o;
+	char p[4096], err[512];
+	struct stat st;
+
+	(void)snprintf(p, sizeof(p), "%s/config.json", dir);
+	if (stat(p, &st) == 0)
+		return 0;
+	ro_make_model_defaults(&o);
+	o.arch = RO_ARCH_QWEN3_MOE;
+	o.layers = 16;
+	o.hidden = 1024;
+	o.heads = 16;
+	o.kv_heads = 4;
+	o.head_dim = 64;
+	o.experts = 64;
+	o.top_k = 8;
+	o.expert_ffn = 256;
+	o.vocab = 32768;
+	o.dtype = "BF16";
+	o.seed = seed;
+	(void)fprintf(stderr, "policy_bench: writing a model to %s ...\n", dir);
+	if (ro_make_model(&o, dir, err, sizeof(err))) {
+		(void)fprintf(stderr, "policy_bench: %s\n", err);
+		return -1;
+	}
+	return 0;
+}
+
+static const char *status(const char *sock)
+{
+	static char buf[8192];
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+	ssize_t n;
+
+	buf[0] = '\0';
+	(void)snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
+	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 && write(fd, "status\n", 7) == 7 &&
+	    (n = read(fd, buf, sizeof(buf) - 1)) > 0)
+		buf[n] = '\0';
+	close(fd);
+	return buf;
+}
+
+static double field(const char *js, const char *k)
+{
+	char pat[64];
+	const char *p;
+
+	(void)snprintf(pat, sizeof(pat), "\"%s\":", k);
+	p = strstr(js, pat);
+	if (!p)
+		return -1;
+	p += strlen(pat);
+	return !strncmp(p, "true", 4) ? 1 : !strncmp(p, "false", 5) ? 0 : strtod(p, NULL);
+}
+
+static int run(const char *const *argv)
+{
+	int st;
+	pid_t pid = fork();
+
+	if (pid == 0) {
+		int fd = open("/dev/null", O_WRONLY);
+
+		(void)dup2(fd, 1);
+		execvp(argv[0], (char *const *)argv);
+		_exit(127);
+	}
+	(void)waitpid(pid, &st, 0);
+	return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+struct swap_row {
+	double to_swap_ms, to_token_ms, median_ms, max_ms;
+};
+
+/* publish version v at uri and read the swap's figures from the agent */
+static int measure(const char *redis, const char *q, const char *sock, int v, const char *uri,
+		   const char *s3ep, struct swap_row *row)
+{
+	char ver[16];
+	const char *argv[] = {bin("RO_ROLLOUTCTL", "./rolloutctl"), "--redis", redis, "--queue", q,
+			      "policy", "publish", "--version", ver, "--uri", uri,
+			      s3ep ? "--s3-endpoint" : NULL, s3ep, NULL};
+	int64_t t0, deadline;
+	double at, first;
+
+	(void)snprintf(ver, sizeof(ver), "%d", v);
+	t0 = ro_test_wall_ms();
+	if (run(argv)) {
+		(void)fprintf(stderr, "policy_bench: publish %s failed\n", uri);
+		return -1;
+	}
+	/* the status's times are the agent's monotonic clock: map by the difference now */
+	deadline = ro_test_mono_ms() + 600000;
+	for (;;) {
+		const char *js = status(sock);
+
+		if (field(js, "policy_version") >= v && field(js, "swap_first_token_ms") > 0 &&
+		    field(js, "swap_watching") == 0) {
+			int64_t mono_now = ro_test_mono_ms(), wall_now = ro_test_wall_ms();
+
+			at = field(js, "swap_at_ms");
+			first = field(js, "swap_first_token_ms");
+			row->to_swap_ms = at - (double)(mono_now - (wall_now - t0));
+			row->to_token_ms = first - (double)(mono_now - (wall_now - t0));
+			row->median_ms = field(js, "swap_median_step_ms");
+			row->max_ms = field(js, "swap_max_step_ms");
+			return 0;
+		}
+		if (ro_test_mono_ms() > deadline || !js[0]) {
+			(void)fprintf(stderr, "policy_bench: version %d never served: %s\n", v, js);
+			return -1;
+		}
+		ro_test_msleep(5);
+	}
+}
+
+int main(int argc, char **argv)
+{
+	const char *models = "/tmp/ro-policy-bench", *swap = "recompute", *chunk = "256";
+	char a_dir[512], b_dir[512], c_dir[512], sock[600], log[600], uri[700], work[64];
+	const char *threads = "2";
+	struct ro_test_redis R;
+	struct swap_row file_row = {0}, s3_row = {0};
+	bool have_s3 = false;
+	pid_t agent, moto = -1;
+	char q[64] = "bench";
+	char s3ep[64] = "";
+
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--models") && i + 1 < argc)
+			models = argv[++i];
+		else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
+			threads = argv[++i];
+		else if (!strcmp(argv[i], "--swap") && i + 1 < argc)
+			swap = argv[++i];
+		else if (!strcmp(argv[i], "--chunk") && i + 1 < argc)
+			chunk = argv[++i];
+		else {
+			(void)fprintf(stderr, "usage: policy_bench [--models DIR] [--threads N] "
+					      "[--swap recompute|finish] [--chunk C]\n");
+			return 2;
+		}
+	}
+	(void)mkdir(models, 0755);
+	(void)snprintf(a_dir, sizeof(a_dir), "%s/a", models);
+	(void)snprintf(b_dir, sizeof(b_dir), "%s/b", models);
+	(void)snprintf(c_dir, sizeof(c_dir), "%s/c", models);
+	if (ensure_model(a_dir, 2026) || ensure_model(b_dir, 2027) || ensure_model(c_dir, 2028))
+		return 1;
+	(void)snprintf(work, sizeof(work), "/tmp/ro-pbench-XXXXXX");
+	if (!mkdtemp(work) || ro_test_redis_start(&R, false))
+		return 1;
+	(void)snprintf(sock, sizeof(sock), "%s/agent.sock", work);
+	(void)snprintf(log, sizeof(log), "%s/agent.log", work);
+
+	/* moto_server with the third model as an S3 policy (curl CLI, SigV4) */
+	{
+		int port = 20000 + (int)(getpid() % 20000);
+
+		(void)snprintf(s3ep, sizeof(s3ep), "http://127.0.0.1:%d", port);
+		moto = fork();
+		if (moto == 0) {
+			char p[16];
+			int fd = open("/dev/null", O_WRONLY);
+
+			(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
+			(void)setpgid(0, 0);
+			(void)dup2(fd, 1);
+			(void)dup2(fd, 2);
+			(void)snprintf(p, sizeof(p), "%d", port);
+			execlp("moto_server", "moto_server", "-H", "127.0.0.1", "-p", p, (char *)NULL);
+			_exit(127);
+		}
+		(void)setenv("AWS_ACCESS_KEY_ID", "bench", 1);
+		(void)setenv("AWS_SECRET_ACCESS_KEY", "bench-secret", 1);
+		(void)setenv("AWS_REGION", "us-east-1", 1);
+		for (int i = 0; i < 300 && !have_s3; i++) {
+			char url[128];
+			const char *mk[] = {"curl", "-sf", "-X", "PUT", "--aws-sigv4",
+					    "aws:amz:us-east-1:s3", "--user", "bench:bench-secret",
+					    url, NULL};
+
+			(void)snprintf(url, sizeof(url), "%s/bench", s3ep);
+			have_s3 = run(mk) == 0;
+			if (!have_s3)
+				ro_test_msleep(100);
+		}
+		for (const char *f = "config.json"; have_s3 && f; f = strcmp(f, "config.json") ? NULL : "model.safetensors") {
+			char url[256], src[700];
+			const char *up[] = {"curl", "-sf", "-T", src, "--aws-sigv4",
+					    "aws:amz:us-east-1:s3", "--user", "bench:bench-secret",
+					    url, NULL};
+
+			(void)snprintf(src, sizeof(src), "%s/%s", c_dir, f);
+			(void)snprintf(url, sizeof(url), "%s/bench/c/%s", s3ep, f);
+			have_s3 = run(up) == 0;
+		}
+		if (!have_s3)
+			(void)fprintf(stderr, "policy_bench: no moto_server: the S3 rows are skipped\n");
+	}
+
+	/* the agent, decoding 8 long sequences on version 1 */
+	{
+		char cache[600];
+		const char *enq[] = {bin("RO_ROLLOUTCTL", "./rolloutctl"), "--redis", R.url, "--queue",
+				     q, "enqueue", NULL, NULL};
+		char units[600];
+		FILE *f;
+
+		(void)snprintf(units, sizeof(units), "%s/units.jsonl", work);
+		f = fopen(units, "w");
+		for (int i = 0; f && i < 8; i++)
+			(void)fprintf(f,
+				      "{\"id\":\"b-%d\",\"prompt\":[%d,%d,%d,%d],\"n\":1,"
+				      "\"max_new_tokens\":30000,\"sampling\":{\"seed\":%d}}\n",
+				      i, i + 1, i + 2, i + 3, i + 4, i);
+		if (f)
+			(void)fclose(f);
+		enq[6] = units;
+		if (run(enq))
+			return 1;
+		(void)snprintf(cache, sizeof(cache), "%s/cache", work);
+		agent = fork();
+		if (agent == 0) {
+			int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+
+			(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
+			(void)dup2(fd, 2);
+			execl(bin("RO_ROLLOUTD", "./rolloutd"), "rolloutd", "--redis", R.url, "--queue",
+			      q, "--model", a_dir, "--threads", threads, "--max-inflight", "8",
+			      "--policy-version", "1", "--policy-swap", swap, "--prefill-chunk", chunk,
+			      "--imds", "false", "--control-socket", sock, "--status-interval-ms",
+			      "100", "--weights-cache", cache, "--s3-endpoint", s3ep,
+			      "--checkpoint-tokens", "1000000", "--checkpoint-ms", "3600000",
+			      "--worker-id", "bench", (char *)NULL);
+			_exit(127);
+		}
+		/* steady decoding: every sequence running, a few hundred steps done */
+		for (int i = 0; i < 60000; i++) {
+			const char *js = status(sock);
+
+			if (field(js, "in_flight") >= 8 && field(js, "tokens_per_s") > 0 &&
+			    field(js, "uncheckpointed_max") >= 300)
+				break;
+			ro_test_msleep(10);
+		}
+	}
+	(void)snprintf(uri, sizeof(uri), "file://%s/", b_dir);
+	if (measure(R.url, q, sock, 2, uri, NULL, &file_row))
+		goto out;
+	if (have_s3 && measure(R.url, q, sock, 3, "s3://bench/c/", s3ep, &s3_row))
+		have_s3 = false;
+
+	(void)printf("policy_bench: 0.9B Qwen3-MoE (bf16, 1.8 GB of weights), 8 sequences decoding, "
+		     "%s threads, policy-swap %s, prefill-chunk %s, %ld cores\n\n",
+		     threads, swap, chunk, sysconf(_SC_NPROCESSORS_ONLN));
+	(void)printf("%-26s %14s %18s %16s %16s %8s\n", "policy", "publish->swap", "publish->token",
+		     "median step ms", "max step ms", "max/med");
+	(void)printf("%-26s %11.0f ms %15.0f ms %16.2f %16.2f %8.2f\n", "file:// (read in place)",
+		     file_row.to_swap_ms, file_row.to_token_ms, file_row.median_ms, file_row.max_ms,
+		     file_row.median_ms > 0 ? file_row.max_ms / file_row.median_ms : 0);
+	if (have_s3)
+		(void)printf("%-26s %11.0f ms %15.0f ms %16.2f %16.2f %8.2f\n",
+			     "s3:// (moto, loopback)", s3_row.to_swap_ms, s3_row.to_token_ms,
+			     s3_row.median_ms, s3_row.max_ms,
+			     s3_row.median_ms > 0 ? s3_row.max_ms / s3_row.median_ms : 0);
+
+	/* download throughput: the fetcher against the curl CLI, the same objects */
+	if (have_s3) {
+		struct ro_fetch_opts fo = {.s3_endpoint = s3ep, .region = "us-east-1"};
+		struct ro_policy_manifest m = {0};
+		char err[1024], dir[4096], cache[600], out[700], url[256];
+		double t0, t_ours, t_curl;
+		uint64_t bytes = 0;
+
+		(void)snprintf(cache, sizeof(cache), "%s/cache2", work);
+		fo.cache_dir = cache;
+		if (ro_policy_manifest_compute(&fo, "s3://bench/c/", &m, err, sizeof(err))) {
+			(void)fprintf(stderr, "policy_bench: %s\n", err);
+			goto out;
+		}
+		for (size_t i = 0; i < m.n; i++)
+			bytes += m.files[i].size;
+		t0 = (double)ro_test_mono_ms();
+		if (ro_policy_fetch(&fo, "s3://bench/c/", 9, &m, dir, sizeof(dir), err, sizeof(err))) {
+			(void)fprintf(stderr, "policy_bench: %s\n", err);
+			goto out;
+		}
+		t_ours = (double)ro_test_mono_ms() - t0;
+		t0 = (double)ro_test_mono_ms();
+		for (size_t i = 0; i < m.n; i++) {
+			const char *get[] = {"curl", "-sf", "-o", out, "--aws-sigv4",
+					     "aws:amz:us-east-1:s3", "--user", "bench:bench-secret",
+					     url, NULL};
+
+			(void)snprintf(out, sizeof(out), "%s/curl-%zu", work, i);
+			(void)snprintf(url, sizeof(url), "%s/bench/c/%s", s3ep, m.files[i].name);
+			if (run(get))
+				(void)fprintf(stderr, "policy_bench: curl %s failed\n", url);
+		}
+		t_curl = (double)ro_test_mono_ms() - t0;
+		(void)printf("\ndownload of the S3 policy (%.0f MB, %zu files) from moto on loopback:\n",
+			     bytes / 1e6, m.n);
+		(void)printf("  %-40s %8.0f MB/s\n", "curl CLI, one GET per object (baseline)",
+			     bytes / 1e3 / t_curl);
+		(void)printf("  %-40s %8.0f MB/s  (%.2fx, sha256 included)\n",
+			     "rolloutd fetcher, ranged GETs x8", bytes / 1e3 / t_ours, t_curl / t_ours);
+		ro_policy_manifest_clear(&m);
+	}
+	(void)printf("\npublish->swap: the version loaded beside the serving one (files checked "
+		     "against the manifest, weights read) and swapped in between two steps;\n"
+		     "publish->token: the first token drawn with it (recompute: after the caches "
+		     "were rebuilt in prefill-chunk pieces);\n"
+		     "steps: the median before the swap, the longest from the swap until no cache "
+		     "was rebuilding (goal: max/med <= 2)\n");
+out:
+	(void)kill(agent, SIGKILL);
+	(void)waitpid(agent, NULL, 0);
+	if (moto > 0) {
+		(void)kill(-moto, SIGKILL);
+		(void)kill(moto, SIGKILL);
+		(void)waitpid(moto, NULL, 0);
+	}
+	ro_test_redis_stop(&R);
+	{
+		char cmd[128];
+
+		(void)snprintf(cmd, sizeof(cmd), "rm -rf %s", work);
+		(void)system(cmd);
+	}
+	return 0;
+}
