@@ -1412,6 +1412,8 @@ static int fs_advance(struct engine *e, struct fstate *fs)
 			}
 			o += (uint64_t)k;
 		}
+		/* start writing it back now, so the fsync at the end has little left to do */
+		(void)sync_file_range(fs->fd, (off_t)c->off, (off_t)c->len, SYNC_FILE_RANGE_WRITE);
 		fs->hashed++;
 	}
 	if (fs->hashed < fs->n || fs->fd < 0)
