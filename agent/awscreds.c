@@ -81,8 +81,8 @@ static size_t on_body(char *d, size_t s, size_t nm, void *arg)
 	return add;
 }
 
-int ro_http_request(const char *url, const char *post, struct curl_slist *headers,
-		    long timeout_ms, size_t max_body, struct ro_http_reply *ret)
+int ro_http_request(const char *url, const char *post, struct curl_slist *headers, long timeout_ms,
+		    size_t max_body, struct ro_http_reply *ret)
 {
 	struct membuf b = {.max = max_body};
 	CURL *c = curl_easy_init();
@@ -92,9 +92,12 @@ int ro_http_request(const char *url, const char *post, struct curl_slist *header
 		return -ENOMEM;
 	(void)curl_easy_setopt(c, CURLOPT_URL, url);
 	(void)curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-	(void)curl_easy_setopt(c, CURLOPT_NOPROXY, "127.0.0.1,localhost,::1,169.254.169.254,169.254.170.2,169.254.170.23");
+	(void)curl_easy_setopt(
+	    c, CURLOPT_NOPROXY,
+	    "127.0.0.1,localhost,::1,169.254.169.254,169.254.170.2,169.254.170.23");
 	(void)curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, timeout_ms);
-	(void)curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, timeout_ms < 2000 ? timeout_ms : 2000L);
+	(void)curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS,
+			       timeout_ms < 2000 ? timeout_ms : 2000L);
 	(void)curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
 	(void)curl_easy_setopt(c, CURLOPT_WRITEDATA, &b);
 	if (headers)
@@ -143,7 +146,11 @@ int ro_xml_field(const char *xml, const char **pos, const char *tag, char *buf, 
 		static const struct {
 			const char *e;
 			char c;
-		} ent[] = {{"&amp;", '&'}, {"&lt;", '<'}, {"&gt;", '>'}, {"&quot;", '"'}, {"&apos;", '\''}};
+		} ent[] = {{"&amp;", '&'},
+			   {"&lt;", '<'},
+			   {"&gt;", '>'},
+			   {"&quot;", '"'},
+			   {"&apos;", '\''}};
 		char c = *p;
 
 		if (c == '&')
@@ -187,20 +194,20 @@ static int from_json(const char *body, const char *what, struct ro_aws_creds *c,
 	}
 	if (json_object_object_get_ex(root, "Code", &v) &&
 	    strcmp(json_object_get_string(v), "Success")) {
-		seterr(err, errlen, "%s: credentials Code %.60s", what,
-			       json_object_get_string(v));
+		seterr(err, errlen, "%s: credentials Code %.60s", what, json_object_get_string(v));
 		r = -EACCES;
 		goto out;
 	}
 	s = json_object_object_get_ex(root, "AccessKeyId", &v) ? json_object_get_string(v) : NULL;
 	r = copy_field(c->access_key_id, sizeof(c->access_key_id), s);
-	s = json_object_object_get_ex(root, "SecretAccessKey", &v) ? json_object_get_string(v) : NULL;
+	s = json_object_object_get_ex(root, "SecretAccessKey", &v) ? json_object_get_string(v)
+								   : NULL;
 	r = r ?: copy_field(c->secret_access_key, sizeof(c->secret_access_key), s);
 	s = json_object_object_get_ex(root, "Token", &v) ? json_object_get_string(v) : "";
 	r = r ?: copy_field(c->session_token, sizeof(c->session_token), s);
 	if (r) {
 		seterr(err, errlen, "%s: credentials reply lacks AccessKeyId/SecretAccessKey",
-			       what);
+		       what);
 		goto out;
 	}
 	if (json_object_object_get_ex(root, "Expiration", &v) &&
@@ -283,7 +290,7 @@ static int from_container(struct ro_aws_creds *c, char *err, size_t errlen)
 		return r;
 	if (rep.curl != CURLE_OK || rep.status != 200) {
 		seterr(err, errlen, "container credentials %s: %s, HTTP %ld", url,
-			       curl_easy_strerror(rep.curl), rep.status);
+		       curl_easy_strerror(rep.curl), rep.status);
 		r = http_status_errno(&rep);
 	} else {
 		r = from_json(rep.body, "container credentials", c, err, errlen);
@@ -292,8 +299,7 @@ static int from_container(struct ro_aws_creds *c, char *err, size_t errlen)
 	return r;
 }
 
-static int from_web_identity(const char *region, struct ro_aws_creds *c, char *err,
-			     size_t errlen)
+static int from_web_identity(const char *region, struct ro_aws_creds *c, char *err, size_t errlen)
 {
 	const char *tokfile = env("AWS_WEB_IDENTITY_TOKEN_FILE");
 	const char *role = env("AWS_ROLE_ARN");
@@ -333,8 +339,8 @@ static int from_web_identity(const char *region, struct ro_aws_creds *c, char *e
 			code[0] = '\0';
 		if (ro_xml_field(rep.body, NULL, "Message", msg, sizeof(msg)))
 			msg[0] = '\0';
-		seterr(err, errlen, "STS AssumeRoleWithWebIdentity (%s): %s, HTTP %ld %s %s",
-			       role, curl_easy_strerror(rep.curl), rep.status, code, msg);
+		seterr(err, errlen, "STS AssumeRoleWithWebIdentity (%s): %s, HTTP %ld %s %s", role,
+		       curl_easy_strerror(rep.curl), rep.status, code, msg);
 		r = http_status_errno(&rep);
 		goto out;
 	}
@@ -391,7 +397,7 @@ static int from_imds(const char *endpoint, struct ro_aws_creds *c, char *err, si
 	r = ro_imds_get(m, "meta-data/iam/security-credentials/", &body, &len);
 	if (r) {
 		seterr(err, errlen, "IMDS iam/security-credentials: %s",
-			       r == -ENOENT ? "no instance profile" : ro_imds_errmsg(m));
+		       r == -ENOENT ? "no instance profile" : ro_imds_errmsg(m));
 		goto out;
 	}
 	n = strcspn(body, "\r\n");
@@ -435,8 +441,8 @@ void ro_aws_region(const char *imds_endpoint, char *buf, size_t len)
 	}
 	(void)snprintf(buf, len, "us-east-1");
 	m = imds_open(imds_endpoint);
-	if (m && ro_imds_get(m, "meta-data/placement/region", &body, &n) == 0 && n &&
-	    n < len && !strpbrk(body, " \r\n/"))
+	if (m && ro_imds_get(m, "meta-data/placement/region", &body, &n) == 0 && n && n < len &&
+	    !strpbrk(body, " \r\n/"))
 		(void)snprintf(buf, len, "%s", body);
 	free(body);
 	(void)ro_imds_free(m);
@@ -469,7 +475,8 @@ int ro_aws_creds_get(const char *imds_endpoint, const char *region, struct ro_aw
 
 	/* which source applies, and the key its cached credentials are filed under */
 	memset(&c, 0, sizeof(c));
-	if (env("AWS_CONTAINER_CREDENTIALS_FULL_URI") || env("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")) {
+	if (env("AWS_CONTAINER_CREDENTIALS_FULL_URI") ||
+	    env("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")) {
 		(void)snprintf(key, sizeof(key), "container %s%s",
 			       env("AWS_CONTAINER_CREDENTIALS_FULL_URI") ?: "",
 			       env("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") ?: "");
@@ -508,9 +515,9 @@ int ro_aws_creds_get(const char *imds_endpoint, const char *region, struct ro_aw
 		if (!strcmp(ret->source, "") && r != -ENOMEM) {
 			if (!strncmp(key, "imds", 4))
 				seterr(err, errlen,
-					       "no AWS credentials: none in the environment, no "
-					       "container or web identity, %s",
-					       e1);
+				       "no AWS credentials: none in the environment, no "
+				       "container or web identity, %s",
+				       e1);
 			else
 				seterr(err, errlen, "%s", e1);
 		}

@@ -29,8 +29,8 @@
 #define DEFAULT_PARALLEL 8
 #define DEFAULT_CHUNK (8ull << 20)
 #define DEFAULT_KEEP 2
-#define MAX_RETRIES 6		/* per request, after the first try */
-#define BACKOFF_MS 100		/* doubled per retry, jittered, at most 3.2 s */
+#define MAX_RETRIES 6		  /* per request, after the first try */
+#define BACKOFF_MS 100		  /* doubled per retry, jittered, at most 3.2 s */
 #define MAX_META_BODY (64u << 20) /* manifest.json, one listing page */
 #define UNKNOWN UINT64_MAX
 #define EMPTY_SHA256 "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
@@ -307,12 +307,14 @@ int ro_policy_manifest_parse(const char *json, struct ro_policy_manifest *m, cha
 				size = json_object_get_int64(v);
 		}
 		if (!name || !name_ok(name)) {
-			r = failf(err, errlen, -EBADMSG, "manifest: file %zu: bad or missing name", i);
+			r = failf(err, errlen, -EBADMSG, "manifest: file %zu: bad or missing name",
+				  i);
 			goto out;
 		}
 		if (size < 0 || !sha || !hex64_ok(sha)) {
 			r = failf(err, errlen, -EBADMSG,
-				  "manifest: %s: size must be an integer >= 0, sha256 64 lowercase hex digits",
+				  "manifest: %s: size must be an integer >= 0, sha256 64 lowercase "
+				  "hex digits",
 				  name);
 			goto out;
 		}
@@ -329,12 +331,14 @@ out:
 	return r;
 }
 
-bool ro_policy_manifest_equal(const struct ro_policy_manifest *a, const struct ro_policy_manifest *b)
+bool ro_policy_manifest_equal(const struct ro_policy_manifest *a,
+			      const struct ro_policy_manifest *b)
 {
 	if (a->n != b->n)
 		return false;
 	for (size_t i = 0; i < a->n; i++)
-		if (strcmp(a->files[i].name, b->files[i].name) || a->files[i].size != b->files[i].size ||
+		if (strcmp(a->files[i].name, b->files[i].name) ||
+		    a->files[i].size != b->files[i].size ||
 		    strcmp(a->files[i].sha256, b->files[i].sha256))
 			return false;
 	return true;
@@ -395,8 +399,8 @@ static int target_parse(const char *uri, struct target *t, char *err, size_t err
 		}
 		free(p);
 		for (const char *c = t->bucket; *c; c++)
-			if (!islower((unsigned char)*c) && !isdigit((unsigned char)*c) && *c != '-' &&
-			    *c != '.') {
+			if (!islower((unsigned char)*c) && !isdigit((unsigned char)*c) &&
+			    *c != '-' && *c != '.') {
 				target_clear(t);
 				return failf(err, errlen, -EINVAL, "%s: bad bucket name", uri);
 			}
@@ -412,7 +416,8 @@ static int target_parse(const char *uri, struct target *t, char *err, size_t err
 	if (!strncmp(uri, "file://", 7))
 		uri += 7;
 	else if (strstr(uri, "://"))
-		return failf(err, errlen, -EINVAL, "%s: only file://, s3://, https:// policies", uri);
+		return failf(err, errlen, -EINVAL, "%s: only file://, s3://, https:// policies",
+			     uri);
 	t->kind = K_FILE;
 	if (!*uri)
 		return failf(err, errlen, -EINVAL, "file://: no path");
@@ -512,7 +517,7 @@ static __thread struct walk {
 	size_t cap, rootlen;
 	uint64_t total;
 	int err;
-} *walk_state;
+} * walk_state;
 
 static int walk_one(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
 {
@@ -601,14 +606,15 @@ static int file_verify(const struct ro_fetch_opts *o, const char *dir,
 			return failf(err, errlen, r, "%s: %s", path, strerror(-r));
 		}
 		if ((uint64_t)st.st_size != f->size)
-			return failf(err, errlen, -EBADMSG, "%s: size %" PRIu64 ", manifest says %" PRIu64,
-				     path, (uint64_t)st.st_size, f->size);
+			return failf(err, errlen, -EBADMSG,
+				     "%s: size %" PRIu64 ", manifest says %" PRIu64, path,
+				     (uint64_t)st.st_size, f->size);
 		r = hash_file(o, path, &size, got, &done, err, errlen);
 		if (r)
 			return r;
 		if (strcmp(got, f->sha256))
-			return failf(err, errlen, -EBADMSG, "%s: sha256 %s, manifest says %s", path, got,
-				     f->sha256);
+			return failf(err, errlen, -EBADMSG, "%s: sha256 %s, manifest says %s", path,
+				     got, f->sha256);
 	}
 	return 0;
 }
@@ -674,7 +680,8 @@ struct engine {
 	bool err_set;
 };
 
-static int efail(struct engine *e, int r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int efail(struct engine *e, int r, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 static int efail(struct engine *e, int r, const char *fmt, ...)
 {
 	va_list ap;
@@ -733,18 +740,20 @@ static size_t on_header(char *d, size_t s, size_t nm, void *arg)
 		return n;
 	if (sscanf(line + 14, " bytes %" SCNu64 "-%" SCNu64 "/%" SCNu64, &a, &b, &total) == 3) {
 		if (total != q->size) {
-			q->fatal = efail(q->e, -EBADMSG, "%s: size %" PRIu64 ", manifest says %" PRIu64,
-					 q->what, total, q->size);
+			q->fatal =
+			    efail(q->e, -EBADMSG, "%s: size %" PRIu64 ", manifest says %" PRIu64,
+				  q->what, total, q->size);
 			return 0;
 		}
 		if (a != q->off + q->got) {
-			q->fatal = efail(q->e, -EIO, "%s: asked for bytes from %" PRIu64 ", got from %" PRIu64,
+			q->fatal = efail(q->e, -EIO,
+					 "%s: asked for bytes from %" PRIu64 ", got from %" PRIu64,
 					 q->what, q->off + q->got, a);
 			return 0;
 		}
 	} else if (sscanf(line + 14, " bytes */%" SCNu64, &total) == 1 && total != q->size) {
-		q->fatal = efail(q->e, -EBADMSG, "%s: size %" PRIu64 ", manifest says %" PRIu64, q->what,
-				 total, q->size);
+		q->fatal = efail(q->e, -EBADMSG, "%s: size %" PRIu64 ", manifest says %" PRIu64,
+				 q->what, total, q->size);
 		return 0;
 	}
 	return n;
@@ -764,13 +773,14 @@ static size_t on_write(char *d, size_t s, size_t nm, void *arg)
 	}
 	if (cancelled(e->o))
 		return 0;
-	if (q->status == 200 && (q->off + q->start != 0 || (q->len != UNKNOWN && q->len != q->size))) {
+	if (q->status == 200 &&
+	    (q->off + q->start != 0 || (q->len != UNKNOWN && q->len != q->size))) {
 		q->fatal = efail(e, -EIO, "%s: the server ignored Range (HTTP 200)", q->what);
 		return 0;
 	}
 	if (q->len != UNKNOWN && q->got + n > q->len) {
-		q->fatal = efail(e, -EBADMSG, "%s: more bytes than the manifest's %" PRIu64, q->what,
-				 q->size);
+		q->fatal = efail(e, -EBADMSG, "%s: more bytes than the manifest's %" PRIu64,
+				 q->what, q->size);
 		return 0;
 	}
 	switch (q->mode) {
@@ -781,7 +791,8 @@ static size_t on_write(char *d, size_t s, size_t nm, void *arg)
 			if (k < 0 && errno == EINTR)
 				continue;
 			if (k < 0) {
-				q->fatal = efail(e, -errno, "%s: write: %s", q->fs->path, strerror(errno));
+				q->fatal =
+				    efail(e, -errno, "%s: write: %s", q->fs->path, strerror(errno));
 				return 0;
 			}
 			w += (size_t)k;
@@ -795,7 +806,8 @@ static size_t on_write(char *d, size_t s, size_t nm, void *arg)
 		break;
 	case M_MEM:
 		if (!membuf_add(&q->mem, d, n)) {
-			q->fatal = efail(e, -EFBIG, "%s: reply larger than %zu bytes", q->what, q->mem.max);
+			q->fatal = efail(e, -EFBIG, "%s: reply larger than %zu bytes", q->what,
+					 q->mem.max);
 			return 0;
 		}
 		break;
@@ -850,7 +862,8 @@ static int req_start(struct engine *e, struct req *q)
 		/* the hash of the empty payload curl signs; S3 wants it as a header too */
 		q->hdrs = curl_slist_append(NULL, "x-amz-content-sha256: " EMPTY_SHA256);
 		if (c.session_token[0]) {
-			(void)snprintf(hdr, sizeof(hdr), "x-amz-security-token: %s", c.session_token);
+			(void)snprintf(hdr, sizeof(hdr), "x-amz-security-token: %s",
+				       c.session_token);
 			q->hdrs = curl_slist_append(q->hdrs, hdr);
 			explicit_bzero(hdr, sizeof(hdr));
 		}
@@ -919,19 +932,20 @@ static int req_finish(struct engine *e, struct req *q, CURLcode rc)
 	} else if (rc == CURLE_OK) {
 		s3_error(q, code, sizeof(code), msg, sizeof(msg));
 		if (status == 404)
-			return efail(e, -ENOENT, "%s: not found (HTTP 404%s%s)", q->what, code[0] ? " " : "",
-				     code);
+			return efail(e, -ENOENT, "%s: not found (HTTP 404%s%s)", q->what,
+				     code[0] ? " " : "", code);
 		if (status == 403 && e->s3 &&
 		    (!strcmp(code, "ExpiredToken") || !strcmp(code, "TokenRefreshRequired")) &&
 		    q->tries < 1) {
 			ro_aws_creds_invalidate();
 			why = "credentials expired";
 		} else if (status == 401 || status == 403) {
-			return efail(e, -EACCES, "%s: access denied (HTTP %ld %s: %s)", q->what, status,
-				     code, msg);
+			return efail(e, -EACCES, "%s: access denied (HTTP %ld %s: %s)", q->what,
+				     status, code, msg);
 		} else if (status == 416) {
-			return efail(e, -EBADMSG, "%s: shorter than the manifest's %" PRIu64 " bytes",
-				     q->what, q->size);
+			return efail(e, -EBADMSG,
+				     "%s: shorter than the manifest's %" PRIu64 " bytes", q->what,
+				     q->size);
 		} else if (status == 429 || status >= 500) {
 			why = "server busy";
 		} else {
@@ -1012,7 +1026,8 @@ static int engine_run(struct engine *e, struct req *reqs, size_t n,
 			r = req_finish(e, q, msg->data.result);
 			if (r == 1) {
 				if (nretry == cap) {
-					struct req **p = realloc(retry, (cap ? cap * 2 : 8) * sizeof(*p));
+					struct req **p =
+					    realloc(retry, (cap ? cap * 2 : 8) * sizeof(*p));
 
 					if (!p) {
 						r = efail(e, -ENOMEM, "out of memory");
@@ -1031,9 +1046,11 @@ static int engine_run(struct engine *e, struct req *reqs, size_t n,
 				goto out;
 		}
 		if (active)
-			(void)curl_multi_poll(e->multi, NULL, 0, (int)(wait < 100 ? wait : 100), NULL);
+			(void)curl_multi_poll(e->multi, NULL, 0, (int)(wait < 100 ? wait : 100),
+					      NULL);
 		else if (nretry)
-			(void)curl_multi_poll(e->multi, NULL, 0, (int)(wait < 100 ? wait : 100), NULL);
+			(void)curl_multi_poll(e->multi, NULL, 0, (int)(wait < 100 ? wait : 100),
+					      NULL);
 	}
 out:
 	for (size_t i = 0; i < n; i++)
@@ -1096,10 +1113,11 @@ static int object_url(const struct engine *e, const char *name, char **ret_url, 
 
 			while (l && e->o->s3_endpoint[l - 1] == '/')
 				l--;
-			r = asprintf(ret_url, "%.*s/%s/%s", (int)l, e->o->s3_endpoint, t->bucket, enc);
-		} else {
-			r = asprintf(ret_url, "https://%s.s3.%s.amazonaws.com/%s", t->bucket, e->region,
+			r = asprintf(ret_url, "%.*s/%s/%s", (int)l, e->o->s3_endpoint, t->bucket,
 				     enc);
+		} else {
+			r = asprintf(ret_url, "https://%s.s3.%s.amazonaws.com/%s", t->bucket,
+				     e->region, enc);
 		}
 		free(enc);
 		if (r < 0 || asprintf(ret_what, "s3://%s/%s", t->bucket, key) < 0) {
@@ -1180,9 +1198,9 @@ static int s3_list(struct engine *e, struct ro_policy_manifest *m)
 		} else {
 			r = asprintf(&ep, "https://%s.s3.%s.amazonaws.com", t->bucket, e->region);
 		}
-		if (r < 0 ||
-		    asprintf(&q.url, "%s/?%s%s%slist-type=2&prefix=%s", ep, etok ? "continuation-token=" : "",
-			     etok ? etok : "", etok ? "&" : "", eprefix) < 0) {
+		if (r < 0 || asprintf(&q.url, "%s/?%s%s%slist-type=2&prefix=%s", ep,
+				      etok ? "continuation-token=" : "", etok ? etok : "",
+				      etok ? "&" : "", eprefix) < 0) {
 			free(ep);
 			r = -ENOMEM;
 			break;
@@ -1212,7 +1230,8 @@ static int s3_list(struct engine *e, struct ro_policy_manifest *m)
 
 			if (!end || ro_xml_field(pos, &kp, "Key", key, sizeof(key)) || kp > end ||
 			    ro_xml_field(pos, &sp, "Size", sizebuf, sizeof(sizebuf)) || sp > end) {
-				r = efail(e, -EBADMSG, "s3://%s: unreadable ListObjectsV2 reply", t->bucket);
+				r = efail(e, -EBADMSG, "s3://%s: unreadable ListObjectsV2 reply",
+					  t->bucket);
 				break;
 			}
 			pos = end;
@@ -1232,7 +1251,8 @@ static int s3_list(struct engine *e, struct ro_policy_manifest *m)
 				    name[0] == '.' || strstr(name, "/."))
 					continue; /* folder markers, hidden files, the manifest */
 				if (!name_ok(name)) {
-					r = efail(e, -EBADMSG, "s3://%s/%s: a key the fetcher cannot store",
+					r = efail(e, -EBADMSG,
+						  "s3://%s/%s: a key the fetcher cannot store",
 						  t->bucket, key);
 					break;
 				}
@@ -1243,7 +1263,9 @@ static int s3_list(struct engine *e, struct ro_policy_manifest *m)
 		}
 		free(token);
 		token = NULL;
-		if (!r && !ro_xml_field(q.mem.p ? q.mem.p : "", NULL, "IsTruncated", trunc, sizeof(trunc)) &&
+		if (!r &&
+		    !ro_xml_field(q.mem.p ? q.mem.p : "", NULL, "IsTruncated", trunc,
+				  sizeof(trunc)) &&
 		    !strcmp(trunc, "true")) {
 			char tk[2048];
 
@@ -1296,7 +1318,8 @@ static int s3_compute(struct engine *e, struct ro_policy_manifest *m)
 
 		total += m->files[i].size;
 		if (!m->files[i].size) {
-			(void)snprintf(m->files[i].sha256, sizeof(m->files[i].sha256), EMPTY_SHA256);
+			(void)snprintf(m->files[i].sha256, sizeof(m->files[i].sha256),
+				       EMPTY_SHA256);
 			q->done = true;
 			continue;
 		}
@@ -1412,6 +1435,8 @@ static int fs_advance(struct engine *e, struct fstate *fs)
 			}
 			o += (uint64_t)k;
 		}
+		/* start writing it back now, so the fsync at the end has little left to do */
+		(void)sync_file_range(fs->fd, (off_t)c->off, (off_t)c->len, SYNC_FILE_RANGE_WRITE);
 		fs->hashed++;
 	}
 	if (fs->hashed < fs->n || fs->fd < 0)
@@ -1548,7 +1573,8 @@ static void prune(const char *cache, int64_t current, unsigned keep)
 			continue;
 		}
 		end = 0;
-		if (sscanf(d->d_name, "v%lld%n", &ver, &end) != 1 || d->d_name[end] || ver == current)
+		if (sscanf(d->d_name, "v%lld%n", &ver, &end) != 1 || d->d_name[end] ||
+		    ver == current)
 			continue;
 		(void)join(path, sizeof(path), cache, d->d_name);
 		if (stat(path, &st) < 0 || !S_ISDIR(st.st_mode))
@@ -1706,7 +1732,8 @@ int ro_policy_fetch(const struct ro_fetch_opts *o, const char *uri, int64_t vers
 	}
 	if (!o->cache_dir || !*o->cache_dir || version < 0) {
 		target_clear(&t);
-		return failf(err, errlen, -EINVAL, "a cache directory and a version >= 0 are needed");
+		return failf(err, errlen, -EINVAL,
+			     "a cache directory and a version >= 0 are needed");
 	}
 	if (mkdir(o->cache_dir, 0755) < 0 && errno != EEXIST) {
 		r = -errno;

@@ -18,7 +18,7 @@
 #include <stdint.h>
 
 struct ro_policy_file {
-	char *name;	/* relative to the policy's root, '/'-separated, no "." or ".." parts */
+	char *name; /* relative to the policy's root, '/'-separated, no "." or ".." parts */
 	uint64_t size;
 	char sha256[65]; /* lowercase hex */
 };
@@ -37,18 +37,19 @@ char *ro_policy_manifest_json(const struct ro_policy_manifest *m);
 int ro_policy_manifest_parse(const char *json, struct ro_policy_manifest *m, char *err,
 			     size_t errlen);
 /* true when a and b list the same files with the same sizes and hashes. */
-bool ro_policy_manifest_equal(const struct ro_policy_manifest *a, const struct ro_policy_manifest *b);
+bool ro_policy_manifest_equal(const struct ro_policy_manifest *a,
+			      const struct ro_policy_manifest *b);
 
 struct ro_fetch_opts {
-	const char *cache_dir;	   /* s3:// and https:// policies land in <cache>/v<version>/ */
-	const char *region;	   /* NULL: AWS_REGION, AWS_DEFAULT_REGION, IMDS placement/region,
-				      else us-east-1 */
-	const char *s3_endpoint;   /* NULL: https://<bucket>.s3.<region>.amazonaws.com; else
-				      path-style <endpoint>/<bucket>/<key> (tests, MinIO) */
-	const char *imds_endpoint; /* NULL: http://169.254.169.254 */
-	unsigned parallel;	   /* concurrent GETs, default 8 */
-	uint64_t chunk_bytes;	   /* range size, default 8 MiB */
-	unsigned keep;		   /* versions kept in the cache, default 2 */
+	const char *cache_dir;	    /* s3:// and https:// policies land in <cache>/v<version>/ */
+	const char *region;	    /* NULL: AWS_REGION, AWS_DEFAULT_REGION, IMDS placement/region,
+				       else us-east-1 */
+	const char *s3_endpoint;    /* NULL: https://<bucket>.s3.<region>.amazonaws.com; else
+				       path-style <endpoint>/<bucket>/<key> (tests, MinIO) */
+	const char *imds_endpoint;  /* NULL: http://169.254.169.254 */
+	unsigned parallel;	    /* concurrent GETs, default 8 */
+	uint64_t chunk_bytes;	    /* range size, default 8 MiB */
+	unsigned keep;		    /* versions kept in the cache, default 2 */
 	const volatile int *cancel; /* non-zero (another thread): stop within ~100 ms */
 	/* progress, may be NULL; stored atomically while it runs */
 	volatile uint64_t *bytes_done, *bytes_total;

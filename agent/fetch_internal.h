@@ -9,14 +9,14 @@
 struct ro_http_reply {
 	long status; /* 0: no HTTP reply (see curl) */
 	CURLcode curl;
-	char *body;  /* NUL-terminated, the caller frees */
+	char *body; /* NUL-terminated, the caller frees */
 	size_t len;
 };
 
 /* GET (post == NULL) or POST post, with the extra headers (may be NULL); replies larger than
  * max_body fail with CURLE_WRITE_ERROR. Proxies are never used for loopback. */
-int ro_http_request(const char *url, const char *post, struct curl_slist *headers,
-		    long timeout_ms, size_t max_body, struct ro_http_reply *ret);
+int ro_http_request(const char *url, const char *post, struct curl_slist *headers, long timeout_ms,
+		    size_t max_body, struct ro_http_reply *ret);
 void ro_http_reply_clear(struct ro_http_reply *r);
 
 /* The text of the first <tag>...</tag> at or after *pos (entities &amp; &lt; &gt; &quot;
