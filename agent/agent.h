@@ -173,6 +173,8 @@ struct ro_agent {
 	bool ep_failed;	  /* the group broke: requeue everything, exit non-zero */
 	bool group_busy;  /* some rank ran a forward in the last round */
 	bool group_done;  /* every rank drained and holds nothing */
+	int64_t group_ready;   /* the weights version every rank of the group has (last round) */
+	uint64_t group_rounds; /* rounds of the group this rank took part in */
 	bool local_group; /* a rank forked by --ep-local-ranks */
 };
 

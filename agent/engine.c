@@ -23,7 +23,8 @@ static struct ro_ep_note ep_note(const struct ro_agent *a)
 {
 	return (struct ro_ep_note){.draining = a->state != RO_RUNNING,
 				   .done = a->state == RO_DRAINED && !a->units,
-				   .deadline_ms = a->deadline_wall_ms};
+				   .deadline_ms = a->deadline_wall_ms,
+				   .ready = a->next_m ? a->next_version : a->policy_version};
 }
 
 /* A failed exchange leaves the group unusable: said once; the control plane requeues and
@@ -79,6 +80,8 @@ static void ep_round(struct ro_agent *a)
 	pthread_mutex_lock(&a->mu);
 	a->group_busy = g.busy;
 	a->group_done = g.all_done;
+	a->group_ready = g.ready;
+	a->group_rounds++;
 	if (g.draining && a->state != RO_DRAINED &&
 	    (a->state == RO_RUNNING || g.deadline_ms < a->deadline_wall_ms)) {
 		a->group_drain = true;

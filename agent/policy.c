@@ -119,13 +119,6 @@ static void on_policy(void *arg, struct ro_queue_result *res)
 	if (p->version <= a->policy_version || a->policy_loading || !p->uri ||
 	    ro_now_ms() < a->policy_retry_ms || a->state != RO_RUNNING)
 		return;
-	if (a->ep) {
-		ro_log_limited(&a->log_limit[9], 60000, LOG_WARNING,
-			       "policy version %lld published: an expert-parallel group does not "
-			       "swap weights yet; version %lld serves on",
-			       (long long)p->version, (long long)a->policy_version);
-		return;
-	}
 	pthread_mutex_lock(&a->mu);
 	if (a->next_m && a->next_version >= p->version) {
 		pthread_mutex_unlock(&a->mu);
@@ -255,16 +248,21 @@ void ro_policy_swap(struct ro_agent *a)
 	struct ro_model *old = a->m;
 	bool keep_old = false;
 
+	bool finish = a->cfg.policy_swap == 1 && !a->ep; /* a group always recomputes */
+
 	if (!a->next_m)
 		return;
-	if (a->cfg.policy_swap == 1 && a->old_m) {
+	/* a group swaps together: once its last round said every rank has this version */
+	if (a->ep && a->group_ready < a->next_version)
+		return;
+	if (finish && a->old_m) {
 		/* finish: the previous old weights are still in use; swap after they go */
 		return;
 	}
 	for (struct unit_rt *u = a->units; u; u = u->next) {
 		if (u->released)
 			continue;
-		if (a->cfg.policy_swap == 1 && u->phase != 0) {
+		if (finish && u->phase != 0) {
 			keep_old = true; /* finish: it ends on the weights it began with */
 			u->m = old;
 			continue;
@@ -276,6 +274,8 @@ void ro_policy_swap(struct ro_agent *a)
 	}
 	a->m = a->next_m;
 	a->next_m = NULL;
+	if (a->ep)
+		ro_ep_attach(a->ep, a->m); /* its experts now answer the group's exchanges */
 	{
 		/* the figures of this swap: the median step before it, the longest after */
 		uint32_t n = a->step_ring_n < 256 ? a->step_ring_n : 256;
@@ -301,9 +301,16 @@ void ro_policy_swap(struct ro_agent *a)
 	} else {
 		ro_model_free(old);
 	}
-	ro_log(LOG_NOTICE, "policy version %lld serving (was %lld, %s)",
-	       (long long)a->next_version, (long long)a->policy_version,
-	       keep_old ? "running sequences finish on the old weights" : "caches rebuilt");
+	if (a->ep)
+		ro_log(LOG_NOTICE,
+		       "policy version %lld serving (was %lld, caches rebuilt): rank %u at group "
+		       "round %llu",
+		       (long long)a->next_version, (long long)a->policy_version, ro_ep_rank(a->ep),
+		       (unsigned long long)a->group_rounds);
+	else
+		ro_log(LOG_NOTICE, "policy version %lld serving (was %lld, %s)",
+		       (long long)a->next_version, (long long)a->policy_version,
+		       keep_old ? "running sequences finish on the old weights" : "caches rebuilt");
 	a->policy_version = a->next_version;
 	a->n.policy_swaps++;
 }

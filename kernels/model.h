@@ -218,12 +218,14 @@ struct ro_ep_note {
 	bool draining;
 	bool done;	     /* drained and holding nothing: ready to exit */
 	int64_t deadline_ms; /* when draining: ms since the epoch */
+	int64_t ready;	     /* the newest weights version this rank could serve now */
 };
 struct ro_ep_group {
 	bool draining, all_done;
 	bool busy; /* some other rank ran a forward in this round */
 	int64_t deadline_ms; /* the earliest of the draining ranks */
 	uint32_t first_draining;
+	int64_t ready; /* the lowest of the ranks' ready: every rank has it (swap together) */
 };
 void ro_ep_attach(struct ro_ep *ep, struct ro_model *m);
 int ro_ep_forward(struct ro_ep *ep, struct ro_fwd_item *items, size_t count,

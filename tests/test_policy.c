@@ -459,3 +459,73 @@ Test(policy, a_drain_does_not_wait_for_a_download)
 	(void)waitpid(srv, NULL, 0);
 	close(pfd[0]);
 }
+
+/* An expert-parallel group of two ranks (tcp on lo) swaps at the same group round on both
+ * ranks, once both have the version; every sample is still bitwise the single-process
+ * reference on each side of its swap. */
+Test(policy, an_ep_group_swaps_at_the_same_round)
+{
+	static const char *const fi_env[] = {"FI_TCP_IFACE", "lo", "FI_SOCKETS_IFACE", "lo", NULL};
+	const char *extra[] = {"--policy-version", "1", "--imds", "false", "--ep-local-ranks", "2",
+			       "--fabric-provider", "tcp", "--max-inflight", "4", "--claim-batch",
+			       "1", NULL};
+	char q[64], line[4096];
+	long round[2] = {-1, -1};
+	struct ro_test_agent a;
+	struct smp **v;
+	size_t n = 0, spanning = 0;
+	FILE *f;
+
+	ro_test_name("ep", q, sizeof(q));
+	enqueue(q, 6, 2, 200);
+	ro_test_agent_start(&a, dir, model_a, ro_test_redis_url(), "ep", q, extra, fi_env);
+	for (int i = 0; i < 1500 && !ro_test_agent_log_has(&a, "claimed p-"); i++)
+		ro_test_msleep(20);
+	publish(q, model_b, "2", 0);
+	for (int i = 0; i < 3000 && !(ro_test_agent_log_has(&a, "rank 0 at group round") &&
+				      ro_test_agent_log_has(&a, "rank 1 at group round"));
+	     i++)
+		ro_test_msleep(20);
+	{
+		struct ro_queue *qq = ro_test_queue(ro_test_redis_url(), q, "w", 3);
+
+		for (int i = 0; i < 6000; i++) {
+			struct ro_queue_stats st = {0};
+			bool done = ro_queue_stats(qq, &st) == 0 && st.done >= 6;
+
+			ro_queue_stats_clear(&st);
+			if (done)
+				break;
+			ro_test_msleep(20);
+		}
+		ro_queue_free(qq);
+	}
+	(void)kill(a.pid, SIGTERM);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 60000), 0);
+	f = fopen(a.log, "r");
+	cr_assert_not_null(f);
+	while (fgets(line, sizeof(line), f)) {
+		const char *p = strstr(line, "at group round ");
+		int rank;
+
+		if (p && (strstr(line, "rank 0 at") || strstr(line, "rank 1 at"))) {
+			rank = strstr(line, "rank 0 at") ? 0 : 1;
+			round[rank] = strtol(p + 15, NULL, 10);
+		}
+	}
+	(void)fclose(f);
+	cr_expect_geq(round[0], 0, "rank 0 swapped");
+	cr_expect_eq(round[0], round[1], "both ranks at the same round (%ld, %ld)", round[0],
+		     round[1]);
+	v = samples(q, &n);
+	cr_expect_eq(n, 12);
+	for (size_t i = 0; i < n; i++) {
+		spanning += v[i]->n_seg > 1;
+		check_bitwise(v[i], 200);
+		free(v[i]);
+	}
+	free(v);
+	(void)fprintf(stderr, "EP group: both ranks swapped at round %ld; %zu samples, %zu across "
+			      "the swap\n",
+		      round[0], n, spanning);
+}

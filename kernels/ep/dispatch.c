@@ -44,6 +44,7 @@ struct ctl_rec {
 	uint32_t op, tokens;
 	uint8_t draining, done, pad[6];
 	int64_t deadline_ms;
+	int64_t ready; /* the weights version the rank could serve */
 };
 
 struct arrival {
@@ -945,8 +946,10 @@ static void take_group(struct ro_ep *ep, const struct ctl_rec *all)
 {
 	uint32_t max_t = 0;
 
-	ep->grp = (struct ro_ep_group){.all_done = true};
+	ep->grp = (struct ro_ep_group){.all_done = true, .ready = all[0].ready};
 	for (uint32_t s = 0; s < ep->W; s++) {
+		if (all[s].ready < ep->grp.ready)
+			ep->grp.ready = all[s].ready;
 		if (all[s].op == OP_FWD && all[s].tokens > max_t)
 			max_t = all[s].tokens;
 		if (all[s].draining) {
@@ -1019,7 +1022,8 @@ int ro_ep_forward(struct ro_ep *ep, struct ro_fwd_item *items, size_t count,
 {
 	struct ctl_rec rec = {.op = OP_FWD,
 			      .draining = mine && mine->draining,
-			      .deadline_ms = mine ? mine->deadline_ms : 0};
+			      .deadline_ms = mine ? mine->deadline_ms : 0,
+			      .ready = mine ? mine->ready : 0};
 	struct ctl_rec all[MAX_WORLD];
 	int r;
 
@@ -1047,7 +1051,8 @@ int ro_ep_round_end(struct ro_ep *ep, const struct ro_ep_note *mine, struct ro_e
 	struct ctl_rec rec = {.op = OP_DONE,
 			      .draining = mine && mine->draining,
 			      .done = mine && mine->done,
-			      .deadline_ms = mine ? mine->deadline_ms : 0};
+			      .deadline_ms = mine ? mine->deadline_ms : 0,
+			      .ready = mine ? mine->ready : 0};
 	struct ctl_rec all[MAX_WORLD];
 	bool busy = false;
 
