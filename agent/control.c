@@ -85,7 +85,8 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 		       "\"redis_ok_age_ms\":%lld,\"claimed\":%llu,\"completed\":%llu,"
 		       "\"requeued\":%llu,\"published\":%llu,\"failed\":%llu,\"lease_losses\":%llu,"
 		       "\"uncheckpointed_max\":%u,\"policy_version\":%lld,"
-		       "\"policy_published\":%lld,\"policy_loading\":%s,\"policy_swaps\":%llu,"
+		       "\"policy_published\":%lld,\"policy_lagging\":%s,\"policy_loading\":%s,"
+		       "\"policy_swaps\":%llu,"
 		       "\"policy_errors\":%llu,\"policy_bytes_done\":%llu,"
 		       "\"policy_bytes_total\":%llu,\"swap_median_step_ms\":%.2f,"
 		       "\"swap_max_step_ms\":%.2f,\"swap_watching\":%s,\"swap_at_ms\":%lld,"
@@ -103,6 +104,10 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 		       (unsigned long long)a->n.requeued, (unsigned long long)a->n.published,
 		       (unsigned long long)a->n.failed, (unsigned long long)a->n.lease_losses,
 		       unckpt, (long long)a->policy_version, (long long)a->published_version,
+		       a->cfg.max_policy_lag &&
+			       a->published_version - a->policy_version > (int64_t)a->cfg.max_policy_lag
+			   ? "true"
+			   : "false",
 		       a->policy_loading ? "true" : "false",
 		       (unsigned long long)a->n.policy_swaps, (unsigned long long)a->n.policy_errors,
 		       (unsigned long long)a->policy_bytes_done,

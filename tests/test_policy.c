@@ -529,3 +529,38 @@ Test(policy, an_ep_group_swaps_at_the_same_round)
 			      "the swap\n",
 		      round[0], n, spanning);
 }
+
+/* max-policy-lag 1: two versions behind (the newer ones cannot load), the worker claims
+ * nothing; once it has caught up it claims, and the units run wholly on the new version. */
+Test(policy, max_policy_lag_stops_claims_until_caught_up)
+{
+	char q[64];
+	struct ro_test_agent a;
+	const char *extra[] = {"--policy-version", "1", "--max-policy-lag", "1", NULL};
+	struct smp **v;
+	size_t n = 0;
+
+	ro_test_name("lag", q, sizeof(q));
+	ro_test_agent_start(&a, dir, model_a, ro_test_redis_url(), "lag", q, extra, NULL);
+	cr_assert(wait_field(&a, "ready", 1, 30000));
+	publish(q, model_c, "2", 0); /* other shapes: refused, one behind */
+	cr_assert(wait_field(&a, "policy_errors", 1, 30000));
+	cr_expect_eq(field(&a, "policy_lagging"), 0, "one behind is within the bound");
+	publish(q, model_c, "3", 0);
+	cr_assert(wait_field(&a, "policy_lagging", 1, 30000), "two behind");
+	enqueue(q, 2, 2, 30);
+	publish(q, model_b, "4", 0);
+	cr_expect(wait_field(&a, "policy_version", 4, 30000), "caught up");
+	cr_expect(wait_field(&a, "completed", 2, 60000));
+	(void)kill(a.pid, SIGTERM);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
+	v = samples(q, &n);
+	cr_expect_eq(n, 4);
+	for (size_t i = 0; i < n; i++) {
+		cr_expect(v[i]->n_seg == 1 && v[i]->seg[0][2] == 4,
+			  "%s/%d: claimed only once caught up (v%d)", v[i]->unit, v[i]->idx,
+			  v[i]->seg[0][2]);
+		free(v[i]);
+	}
+	free(v);
+}
