@@ -65,6 +65,10 @@ void ro_test_agent_start(struct ro_test_agent *ag, const char *dir, const char *
 	av[n++] = "16";
 	av[n++] = "--log-level";
 	av[n++] = "debug";
+	/* tests touch loopback only: the metadata service is a port nobody serves unless the
+	 * test names its mock (a later flag wins) */
+	av[n++] = "--imds-endpoint";
+	av[n++] = "http://127.0.0.1:1";
 	for (size_t i = 0; extra && extra[i] && n < 78; i++)
 		av[n++] = extra[i];
 	av[n] = NULL;

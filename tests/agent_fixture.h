@@ -15,7 +15,8 @@ struct ro_test_agent {
 const char *ro_test_bin(const char *env, const char *name);
 
 /* Start rolloutd as worker `name` on queue q of url, with the model, its socket, log and
- * metrics file in dir, one model thread, debug logs; extra flags after (they win), env
+ * metrics file in dir, one model thread, debug logs, IMDS at a loopback port nobody serves
+ * (tests touch loopback only); extra flags after (they win), env
  * pairs (NAME, VALUE, ..., NULL) set in the child. */
 void ro_test_agent_start(struct ro_test_agent *ag, const char *dir, const char *model,
 			 const char *url, const char *name, const char *q,
