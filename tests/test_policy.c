@@ -21,6 +21,7 @@
 #include "kernels/model.h"
 #include "tests/agent_fixture.h"
 #include "tests/agent_model.h"
+#include "tests/mock_fixture.h"
 #include "tests/redis_hooks.h"
 #include "tests/testutil.h"
 
@@ -361,8 +362,9 @@ Test(policy, a_bad_policy_keeps_the_old_one)
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 }
 
-/* A drain while a policy downloads: the drain goes as before (exit 0 in its time, units
- * requeued), nothing waits for the download, the old version served to the end. */
+/* A Spot notice while a policy downloads: the drain goes as before (exit 0 before the
+ * notice's time, units requeued), nothing waits for the download, the old version served
+ * to the end. */
 static const char slow_server[] =
     "import http.server, os, socketserver, sys, time\n"
     "root = sys.argv[1]\n"
@@ -400,13 +402,17 @@ Test(policy, a_drain_does_not_wait_for_a_download)
 	struct ro_policy_manifest m = {0};
 	struct ro_fetch_opts fo = {0};
 	struct ro_test_agent a;
-	const char *extra[] = {"--policy-version", "1", "--max-inflight", "4", "--claim-batch",
-			       "1", "--sigterm-grace-s", "4", "--drain-margin-ms", "1000", NULL};
+	struct ro_test_mock mk;
+	char ep[128], fire[96];
+	const char *extra[] = {"--policy-version", "1",	 "--max-inflight", "4",
+			       "--claim-batch",	   "1",	 "--imds-poll-ms", "200",
+			       "--drain-margin-ms", "1000", "--imds-endpoint", ep,
+			       NULL};
+	int64_t notice;
 	int pfd[2], st;
 	pid_t srv;
 	FILE *f;
 	char *js;
-	int64_t t0;
 
 	/* the weights served slowly (10 KB/s), their manifest at once */
 	(void)snprintf(mdir, sizeof(mdir), "%s/slow", dir);
@@ -440,6 +446,8 @@ Test(policy, a_drain_does_not_wait_for_a_download)
 	cr_assert_gt(read(pfd[0], line, sizeof(line) - 1), 0, "the server's port");
 	(void)snprintf(uri, sizeof(uri), "http://127.0.0.1:%d/", atoi(line));
 
+	cr_assert_eq(ro_test_mock_start(&mk, 0, NULL), 0);
+	(void)snprintf(ep, sizeof(ep), "%s", mk.url);
 	ro_test_name("dl", q, sizeof(q));
 	enqueue(q, 8, 2, 400);
 	ro_test_agent_start(&a, dir, model_a, ro_test_redis_url(), "dl", q, extra, NULL);
@@ -449,11 +457,15 @@ Test(policy, a_drain_does_not_wait_for_a_download)
 		     0, "%s", out);
 	cr_expect(wait_field(&a, "policy_bytes_done", 1, 30000), "downloading");
 	cr_expect_eq(field(&a, "policy_loading"), 1);
-	t0 = ro_test_mono_ms();
-	(void)kill(a.pid, SIGTERM);
+	/* a spot notice: terminate in 4 s */
+	notice = (ro_test_wall_ms() / 1000 + 4) * 1000;
+	(void)snprintf(fire, sizeof(fire), "spot?in=0&time=%lld", (long long)(notice / 1000));
+	free(ro_test_mock_ctl(&mk, fire));
 	st = ro_test_agent_wait_exit(&a, 30000);
 	cr_expect_eq(st, 0, "the drain as before");
-	cr_expect_lt(ro_test_mono_ms() - t0, 15000, "in its time, not the download's");
+	cr_expect_lt(ro_test_wall_ms(), notice, "before the notice's time, not the download's");
+	cr_expect(ro_test_agent_log_has(&a, "draining"), "drained on the notice");
+	ro_test_mock_stop(&mk);
 	cr_expect(!ro_test_agent_log_has(&a, "policy version 2 serving"));
 	(void)kill(srv, SIGKILL);
 	(void)waitpid(srv, NULL, 0);
