@@ -179,7 +179,11 @@ static void unit_fail(struct unit_rt *u, const char *what, int r)
 /* Under mu: what this step does. Decode tokens are drawn after mu is dropped. */
 static void plan(struct ro_agent *a, struct step *st)
 {
-	uint32_t budget = a->cfg.prefill_chunk;
+	/* while a swap rebuilds caches, prefill goes in smaller pieces: every sequence is
+	 * rebuilding at once, and the steps stay near a decode step's length */
+	uint32_t budget = a->swap_watch && a->cfg.policy_rebuild_chunk < a->cfg.prefill_chunk
+				  ? a->cfg.policy_rebuild_chunk
+				  : a->cfg.prefill_chunk;
 
 	for (struct unit_rt *u = a->units; u; u = u->next) {
 		struct job *j;

@@ -31,7 +31,7 @@ struct ro_config {
 	uint32_t threads;
 	int64_t policy_version;
 	uint32_t policy_swap; /* 0 recompute, 1 finish */
-	uint32_t max_policy_lag;
+	uint32_t max_policy_lag, policy_rebuild_chunk;
 	char *weights_cache, *s3_region, *s3_endpoint;
 	uint32_t log_level; /* syslog LOG_* */
 	/* expert parallelism */

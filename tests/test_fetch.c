@@ -581,7 +581,9 @@ Test(fetch, s3_stale_manifest_keeps_cached_version)
 	free(d);
 	cr_assert_eq(ro_policy_fetch(&o, uri, 2, &m, dir, sizeof(dir), err, sizeof(err)), -EBADMSG,
 		     "%s", err);
-	cr_assert(strstr(err, "size 1000"), "%s", err);
+	/* from the first reply's Content-Range, or (a reply without it) from the short body */
+	cr_assert(strstr(err, "size 1000") || strstr(err, "shorter than the manifest's"), "%s",
+		  err);
 	assert_same_tree(&t, dir1);
 	ro_policy_manifest_clear(&m);
 	rm_tree(t.dir);

@@ -11,7 +11,8 @@
  * moto_server reads a whole object for every ranged GET, so the S3 rows (--s3) measure moto
  * more than the fetcher on a 1.8 GB object: they are off by default.
  *
- *   policy_bench [--models DIR] [--threads N] [--swap recompute|finish] [--chunk C] [--s3] */
+ *   policy_bench [--models DIR] [--threads N] [--swap recompute|finish] [--chunk C]
+ *                [--rebuild R] [--s3] */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -162,6 +163,7 @@ static int measure(const char *redis, const char *q, const char *sock, int v, co
 int main(int argc, char **argv)
 {
 	const char *models = "/tmp/ro-policy-bench", *swap = "recompute", *chunk = "256";
+	const char *rebuild = "16";
 	char a_dir[512], b_dir[512], c_dir[512], sock[600], log[600], uri[700], work[64];
 	const char *threads = "2";
 	struct ro_test_redis R;
@@ -182,6 +184,8 @@ int main(int argc, char **argv)
 			chunk = argv[++i];
 		else if (!strcmp(argv[i], "--s3"))
 			want_s3 = true;
+		else if (!strcmp(argv[i], "--rebuild") && i + 1 < argc)
+			rebuild = argv[++i];
 		else {
 			(void)fprintf(stderr, "usage: policy_bench [--models DIR] [--threads N] "
 					      "[--swap recompute|finish] [--chunk C]\n");
@@ -277,6 +281,7 @@ int main(int argc, char **argv)
 			execl(bin("RO_ROLLOUTD", "./rolloutd"), "rolloutd", "--redis", R.url, "--queue",
 			      q, "--model", a_dir, "--threads", threads, "--max-inflight", "8",
 			      "--policy-version", "1", "--policy-swap", swap, "--prefill-chunk", chunk,
+			      "--policy-rebuild-chunk", rebuild,
 			      "--imds", "false", "--control-socket", sock, "--status-interval-ms",
 			      "100", "--weights-cache", cache, "--s3-endpoint", s3ep,
 			      "--checkpoint-tokens", "1000000", "--checkpoint-ms", "3600000",
@@ -300,8 +305,9 @@ int main(int argc, char **argv)
 		have_s3 = false;
 
 	(void)printf("policy_bench: 0.9B Qwen3-MoE (bf16, 1.8 GB of weights), 8 sequences decoding, "
-		     "%s threads, policy-swap %s, prefill-chunk %s, %ld cores\n\n",
-		     threads, swap, chunk, sysconf(_SC_NPROCESSORS_ONLN));
+		     "%s threads, policy-swap %s, prefill-chunk %s, policy-rebuild-chunk %s, %ld "
+		     "cores\n\n",
+		     threads, swap, chunk, rebuild, sysconf(_SC_NPROCESSORS_ONLN));
 	(void)printf("%-26s %14s %18s %16s %16s %8s\n", "policy", "publish->swap", "publish->token",
 		     "median step ms", "max step ms", "max/med");
 	(void)printf("%-26s %11.0f ms %15.0f ms %16.2f %16.2f %8.2f\n", "file:// (read in place)",
