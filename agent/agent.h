@@ -186,6 +186,8 @@ void ro_engine_kick(struct ro_agent *a);
 /* The model forward on m: alone, or as this rank's part of the EP group's collective. */
 int ro_agent_forward(struct ro_agent *a, struct ro_model *m, struct ro_fwd_item *items,
 		     size_t count);
+/* Free a unit's caches and logits (engine thread, under mu): released, or rebuilt. */
+void ro_engine_drop_caches(struct unit_rt *u);
 /* Bytes a unit needs on this worker (its caches and the step's scratch). */
 uint64_t ro_engine_unit_bytes(const struct ro_agent *a, const struct ro_unit *u, uint32_t owed);
 

@@ -152,7 +152,7 @@ static struct job *job_add(struct step *st)
 	return &st->jobs[st->n_jobs++];
 }
 
-static void unit_release(struct unit_rt *u)
+void ro_engine_drop_caches(struct unit_rt *u)
 {
 	for (uint32_t i = 0; i < u->n_s; i++) {
 		struct sample_rt *s = u->s[i];
@@ -167,6 +167,11 @@ static void unit_release(struct unit_rt *u)
 	u->base = ro_seq_free(u->base);
 	free(u->base_logits);
 	u->base_logits = NULL;
+}
+
+static void unit_release(struct unit_rt *u)
+{
+	ro_engine_drop_caches(u);
 	u->released = true;
 }
 

@@ -224,21 +224,15 @@ static void add_segment(struct unit_rt *u, int64_t version)
  * token, which is then drawn from the new policy. */
 static void recompute(struct unit_rt *u)
 {
+	ro_engine_drop_caches(u);
 	for (uint32_t i = 0; i < u->n_s; i++) {
 		struct sample_rt *s = u->s[i];
 
 		if (!s)
 			continue;
-		s->kv = ro_seq_free(s->kv);
-		free(s->logits);
-		s->logits = NULL;
-		s->ready = false;
 		s->prefix_done = 0;
 		s->prefix_len = s->len;
 	}
-	u->base = ro_seq_free(u->base);
-	free(u->base_logits);
-	u->base_logits = NULL;
 	u->prompt_done = 0;
 	u->phase = 0;
 }

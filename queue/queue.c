@@ -457,10 +457,11 @@ static void waiter_done(void *arg, struct ro_queue_result *res)
 	w->done = true;
 }
 
-/* Drive the connection until w is answered. */
-static int await(struct ro_queue *q, struct waiter *w)
+/* Drive the connection until w is answered (or, with until_fatal, a permanent failure
+ * of the connection, when its reply would only be the timeout). */
+static int await_until(struct ro_queue *q, struct waiter *w, bool until_fatal)
 {
-	while (!w->done) {
+	while (!w->done && !(until_fatal && ro_conn_fatal(q->conn))) {
 		struct pollfd p = {.fd = ro_conn_fd(q->conn), .events = ro_conn_events(q->conn)};
 		int64_t next = ro_conn_next_ms(q->conn), now = mono_ms();
 		int timeout = next < 0 ? 100 : next <= now ? 0 : (int)(next - now);
@@ -475,6 +476,11 @@ static int await(struct ro_queue *q, struct waiter *w)
 		ro_conn_process(q->conn, p.revents);
 	}
 	return w->res.r;
+}
+
+static int await(struct ro_queue *q, struct waiter *w)
+{
+	return await_until(q, w, false);
 }
 
 /* Run an operation to its end: its reply parsed into ret (which the caller clears). */
@@ -603,21 +609,7 @@ int ro_queue_check(struct ro_queue *q, uint32_t timeout_ms)
 	if (r)
 		return r;
 	w.op->keep_raw = true;
-	/* a permanent cause ends the wait at once: its reply would only be the timeout */
-	while (!w.done && !ro_conn_fatal(q->conn)) {
-		struct pollfd p = {.fd = ro_conn_fd(q->conn), .events = ro_conn_events(q->conn)};
-		int64_t next = ro_conn_next_ms(q->conn), now = mono_ms();
-		int timeout = next < 0 ? 100 : next <= now ? 0 : (int)(next - now);
-
-		if (p.fd < 0) {
-			if (timeout)
-				sleep_ms(timeout);
-			p.revents = 0;
-		} else if (poll(&p, 1, timeout) < 0 && errno != EINTR) {
-			p.revents = POLLERR;
-		}
-		ro_conn_process(q->conn, p.revents);
-	}
+	(void)await_until(q, &w, true);
 	if (!w.done) {
 		/* the PING stays queued: its callback must not outlive w */
 		r = ro_conn_fatal(q->conn);

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <regex.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -162,4 +163,45 @@ double ro_test_json_field(const char *json, const char *key)
 	if (!strncmp(p, "false", 5))
 		return 0;
 	return strtod(p, NULL);
+}
+
+int ro_test_ctl(char *out, size_t len, ...)
+{
+	const char *av[48];
+	size_t n = 0, got = 0;
+	int pfd[2], st;
+	va_list ap;
+	pid_t pid;
+
+	av[n++] = ro_test_bin("RO_ROLLOUTCTL", "rolloutctl");
+	va_start(ap, len);
+	for (const char *a; n < 47 && (a = va_arg(ap, const char *));)
+		av[n++] = a;
+	va_end(ap);
+	av[n] = NULL;
+	cr_assert_eq(pipe(pfd), 0);
+	pid = fork();
+	cr_assert_geq(pid, 0);
+	if (pid == 0) {
+		(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
+		(void)dup2(pfd[1], 1);
+		(void)dup2(pfd[1], 2);
+		close(pfd[0]);
+		execv(av[0], (char *const *)av);
+		_exit(127);
+	}
+	close(pfd[1]);
+	for (ssize_t r; got + 1 < len && (r = read(pfd[0], out + got, len - 1 - got)) > 0;)
+		got += (size_t)r;
+	out[got] = '\0';
+	close(pfd[0]);
+	(void)waitpid(pid, &st, 0);
+	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+unsigned ro_test_scaled(unsigned tokens)
+{
+	const char *s = getenv("RO_SANITIZED");
+
+	return s && *s == '1' ? tokens / 8 + 8 : tokens;
 }

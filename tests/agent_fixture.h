@@ -4,6 +4,7 @@
 #pragma once
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <sys/types.h>
 
 struct ro_test_agent {
@@ -31,3 +32,10 @@ bool ro_test_agent_log_has(const struct ro_test_agent *ag, const char *what);
 
 /* A number field of a flat JSON object (-1 when absent; true is 1, false 0). */
 double ro_test_json_field(const char *json, const char *key);
+
+/* rolloutctl with the arguments (NULL-terminated): its exit status; its stdout and stderr
+ * in out. */
+int ro_test_ctl(char *out, size_t len, ...) __attribute__((sentinel));
+
+/* Sanitized builds decode ~10x slower: tests scale their work down, not their checks. */
+unsigned ro_test_scaled(unsigned tokens);

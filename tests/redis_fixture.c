@@ -29,7 +29,7 @@
 
 #include "config.h"
 
-static int free_port(void)
+int ro_test_free_port(void)
 {
 	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
 	socklen_t len = sizeof(a);
@@ -692,14 +692,14 @@ int ro_test_redis_start_opts(struct ro_test_redis *r, const struct ro_test_redis
 			ret = e;
 	}
 	for (int tries = 0; tries < 8 && ret == -EADDRINUSE; tries++) {
-		r->port = free_port();
+		r->port = ro_test_free_port();
 		if (r->port < 0) {
 			ret = -EADDRNOTAVAIL;
 			break;
 		}
 		if (r->cluster) {
 			do
-				r->bus_port = free_port();
+				r->bus_port = ro_test_free_port();
 			while (r->bus_port == r->port);
 			if (r->bus_port < 0) {
 				ret = -EADDRNOTAVAIL;

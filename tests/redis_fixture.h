@@ -172,6 +172,9 @@ int ro_test_sentinel_start(struct ro_test_sentinel *s, const struct ro_test_redi
 int ro_test_sentinel_kill_primary(struct ro_test_sentinel *s, int *new_port);
 void ro_test_sentinel_stop(struct ro_test_sentinel *s);
 
+/* A TCP port on 127.0.0.1 free a moment ago (0 bound, then released). */
+int ro_test_free_port(void);
+
 redisContext *ro_test_redis_connect(const char *url);
 /* The binary's shared server (RO_TEST_REDIS_URL set by the hooks). */
 const char *ro_test_redis_url(void);

@@ -28,13 +28,6 @@
 static char dir[64];
 static char model[128];
 
-/* Sanitized builds decode ~10x slower: the tests scale their work down, not their checks. */
-static unsigned scaled(unsigned tokens)
-{
-	const char *s = getenv("RO_SANITIZED");
-
-	return s && *s == '1' ? tokens / 8 + 8 : tokens;
-}
 
 static void setup(void)
 {
@@ -238,7 +231,7 @@ Test(agent, spot_notice_drains_before_the_deadline)
 	ro_test_name("spot", q, sizeof(q));
 	ro_test_name("spotref", ref, sizeof(ref));
 	/* 8 units of 2 samples: short ones (finish within the deadline), long ones (cannot) */
-	reference_run(c, ref, 8, 2, 60, 2, scaled(1500));
+	reference_run(c, ref, 8, 2, 60, 2, ro_test_scaled(1500));
 	cr_assert_eq(ro_test_mock_start(&mk, 0, NULL), 0);
 	(void)snprintf(ep, sizeof(ep), "%s", mk.url);
 	for (size_t i = 0; on[i]; i++)
@@ -246,7 +239,7 @@ Test(agent, spot_notice_drains_before_the_deadline)
 	av[n++] = "--imds-endpoint";
 	av[n++] = ep;
 	av[n] = NULL;
-	enqueue(q, "u", 8, 2, 60, 2, scaled(1500));
+	enqueue(q, "u", 8, 2, 60, 2, ro_test_scaled(1500));
 	start(&a, "a", q, av, NULL);
 	/* wait until it is well into the long units: the short ones published, a long one
 	 * checkpointed (an event, not a time: a busy box may take a while) */
@@ -288,8 +281,8 @@ Test(agent, sigkill_loses_at_most_one_checkpoint_interval)
 
 	ro_test_name("kill", q, sizeof(q));
 	ro_test_name("killref", ref, sizeof(ref));
-	reference_run(c, ref, 4, 2, scaled(1000), 0, 0);
-	enqueue(q, "u", 4, 2, scaled(1000), 0, 0);
+	reference_run(c, ref, 4, 2, ro_test_scaled(1000), 0, 0);
+	enqueue(q, "u", 4, 2, ro_test_scaled(1000), 0, 0);
 	start(&a, "a", q,
 	      (const char *const[]){"--imds", "false", "--checkpoint-tokens", "8", "--lease-ms",
 				    "2000", NULL},
@@ -329,7 +322,7 @@ static void drain_by(const char *how)
 	int rc;
 
 	ro_test_name(how, q, sizeof(q));
-	enqueue(q, "u", 6, 2, scaled(2000), 0, 0);
+	enqueue(q, "u", 6, 2, ro_test_scaled(2000), 0, 0);
 	if (strcmp(how, "sigterm") && strcmp(how, "ctl")) {
 		cr_assert_eq(ro_test_mock_start(&mk, 0, NULL), 0);
 		(void)snprintf(ep, sizeof(ep), "%s", mk.url);
@@ -438,7 +431,7 @@ Test(agent, backpressure_stops_and_resumes_claims)
 
 	ro_test_name("bp", q, sizeof(q));
 	ro_test_int(c, "XGROUP CREATE ro:{%s}:samples trainer $ MKSTREAM", q);
-	enqueue(q, "u", 40, 2, scaled(60), 0, 0);
+	enqueue(q, "u", 40, 2, ro_test_scaled(60), 0, 0);
 	start(&a, "a", q,
 	      (const char *const[]){"--imds", "false", "--high-water", "10", "--claim-batch", "1",
 				    "--max-inflight", "4", NULL},
@@ -671,7 +664,7 @@ Test(agent, ep_groups_equal_single_rank, .timeout = 240)
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char ref[64];
 	const int units = 12;
-	const unsigned n = 2, max_new = scaled(40);
+	const unsigned n = 2, max_new = ro_test_scaled(40);
 
 	ro_test_name("epref", ref, sizeof(ref));
 	reference_run(c, ref, units, n, max_new, 0, 0);
@@ -727,7 +720,7 @@ Test(agent, ep_group_sum_combine_bf16, .timeout = 180)
 	struct ro_test_agent g;
 
 	ro_test_name("epsum", q, sizeof(q));
-	enqueue(q, "u", 6, 2, scaled(30), 0, 0);
+	enqueue(q, "u", 6, 2, ro_test_scaled(30), 0, 0);
 	start(&g, "eps", q,
 	      (const char *const[]){"--imds", "false", "--ep-local-ranks", "2", "--fabric-provider",
 				    "shm", "--ep-combine", "sum", "--ep-dtype", "bf16",
@@ -752,7 +745,7 @@ Test(agent, ep_group_drains_together, .timeout = 240)
 	int rc;
 
 	ro_test_name("epdrain", q, sizeof(q));
-	enqueue(q, "u", 9, 2, scaled(1500), 0, 0);
+	enqueue(q, "u", 9, 2, ro_test_scaled(1500), 0, 0);
 	start(&g, "epd", q,
 	      (const char *const[]){"--imds", "false", "--ep-local-ranks", "3",
 				    "--fabric-provider", "shm", "--max-inflight", "4",
@@ -787,7 +780,7 @@ Test(agent, ep_rank_killed_fails_fast, .timeout = 240)
 	int64_t t0;
 
 	ro_test_name("epkill", q, sizeof(q));
-	enqueue(q, "u", 9, 2, scaled(1500), 0, 0);
+	enqueue(q, "u", 9, 2, ro_test_scaled(1500), 0, 0);
 	start(&g, "epk", q,
 	      (const char *const[]){"--imds", "false", "--ep-local-ranks", "3",
 				    "--fabric-provider", "tcp", "--max-inflight", "4",
@@ -883,7 +876,7 @@ static char *hget(redisContext *c, const char *q, const char *id, const char *fi
 Test(agent, long_prefills_keep_their_leases, .timeout = 240)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
-	const unsigned len = scaled(3000);
+	const unsigned len = ro_test_scaled(3000);
 	char q[64];
 	struct ro_test_agent a;
 
@@ -926,7 +919,7 @@ static void drain_without_redis(bool kill_it)
 	agent_redis = r.url;
 	c = ro_test_redis_connect(r.url);
 	ro_test_name("noredis", q, sizeof(q));
-	enqueue(q, "u", 6, 2, scaled(400), 0, 0);
+	enqueue(q, "u", 6, 2, ro_test_scaled(400), 0, 0);
 	start(&a, "a", q,
 	      (const char *const[]){"--imds", "false", "--sigterm-grace-s", "4",
 				    "--drain-margin-ms", "2000", "--lease-ms", "10000",
@@ -1005,7 +998,7 @@ Test(agent, control_socket_flood_and_exact_commands, .timeout = 180)
 	ssize_t n;
 
 	ro_test_name("flood", q, sizeof(q));
-	enqueue(q, "u", 40, 4, scaled(64), 0, 0);
+	enqueue(q, "u", 40, 4, ro_test_scaled(64), 0, 0);
 	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
 	for (int i = 0; i < 400 && ro_test_json_field(ro_test_agent_status(&a, "status\n"), "in_flight") < 1; i++)
 		ro_test_msleep(25);
@@ -1054,7 +1047,7 @@ Test(agent, restart_with_same_worker_id_resumes_held_units, .timeout = 240)
 	struct ro_test_agent a;
 
 	ro_test_name("held", q, sizeof(q));
-	enqueue(q, "u", 4, 2, scaled(300), 0, 0);
+	enqueue(q, "u", 4, 2, ro_test_scaled(300), 0, 0);
 	start(&a, "w", q,
 	      (const char *const[]){"--imds", "false", "--lease-ms", "120000", "--claim-batch",
 				    "4", "--checkpoint-tokens", "8", NULL},
@@ -1100,8 +1093,8 @@ Test(agent, bad_checkpoints_restart_their_samples, .timeout = 180)
 
 	ro_test_name("badckpt", q, sizeof(q));
 	ro_test_name("badref", ref, sizeof(ref));
-	reference_run(c, ref, 1, 2, scaled(24), 0, 0);
-	enqueue(q, "u", 1, 2, scaled(24), 0, 0);
+	reference_run(c, ref, 1, 2, ro_test_scaled(24), 0, 0);
+	enqueue(q, "u", 1, 2, ro_test_scaled(24), 0, 0);
 	freeReplyObject(redisCommand(c, "HSET ro:{%s}:unit:u-0 p:0 %s p:1 %s ckpt 1", q, e0, e1));
 	free(e0);
 	free(e1);
@@ -1157,7 +1150,7 @@ Test(agent, inconsistent_unit_records_are_dead_lettered, .timeout = 120)
 	struct ro_test_agent a;
 
 	ro_test_name("badrec", q, sizeof(q));
-	enqueue(q, "u", 2, 2, scaled(16), 0, 0);
+	enqueue(q, "u", 2, 2, ro_test_scaled(16), 0, 0);
 	freeReplyObject(redisCommand(c, "HSET ro:{%s}:unit:u-0 n 3", q));
 	freeReplyObject(redisCommand(c, "HSET ro:{%s}:unit:u-1 s:0 0-1", q));
 	start(&a, "a", q, (const char *const[]){"--imds", "false", "--max-attempts", "2", NULL},

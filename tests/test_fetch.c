@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "agent/fetch.h"
+#include "tests/redis_fixture.h"
 #include "tests/mock_fixture.h"
 #include "tests/testutil.h"
 
@@ -36,21 +37,6 @@
 /* ---- moto_server, one per test binary ------------------------------------------------------ */
 
 static pid_t moto_pid;
-
-static int free_port(void)
-{
-	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-	socklen_t len = sizeof(a);
-	int fd = socket(AF_INET, SOCK_STREAM, 0), port = -1;
-
-	if (fd < 0)
-		return -1;
-	if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
-	    getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-		port = ntohs(a.sin_port);
-	(void)close(fd);
-	return port;
-}
 
 static const char *moto_bin(void)
 {
@@ -82,7 +68,7 @@ static long http_status(const char *url)
 static void moto_start(void)
 {
 	char port[16], url[64];
-	int p = free_port();
+	int p = ro_test_free_port();
 	pid_t parent = getpid();
 
 	(void)snprintf(port, sizeof(port), "%d", p);

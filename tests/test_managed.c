@@ -146,13 +146,6 @@ Test(url, slots_match_redis)
 static char dir[64];
 static char model[128];
 
-/* Sanitized builds decode ~10x slower: the tests scale their work down, not their checks. */
-static unsigned scaled(unsigned tokens)
-{
-	const char *s = getenv("RO_SANITIZED");
-
-	return s && *s == '1' ? tokens / 8 + 8 : tokens;
-}
 
 static void setup(void)
 {
@@ -299,40 +292,6 @@ static void verify_once(struct ro_queue *q, long units, unsigned n)
 	free(s);
 }
 
-/* rolloutctl with args (NULL-terminated): its exit status, stdout + stderr in out. */
-__attribute__((sentinel)) static int ctl(char *out, size_t len, ...)
-{
-	const char *av[48];
-	size_t n = 0, got = 0;
-	int pfd[2], st;
-	va_list ap;
-	pid_t pid;
-
-	av[n++] = ro_test_bin("RO_ROLLOUTCTL", "rolloutctl");
-	va_start(ap, len);
-	for (const char *a; n < 47 && (a = va_arg(ap, const char *));)
-		av[n++] = a;
-	va_end(ap);
-	av[n] = NULL;
-	cr_assert_eq(pipe(pfd), 0);
-	pid = fork();
-	cr_assert_geq(pid, 0);
-	if (pid == 0) {
-		(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
-		(void)dup2(pfd[1], 1);
-		(void)dup2(pfd[1], 2);
-		close(pfd[0]);
-		execv(av[0], (char *const *)av);
-		_exit(127);
-	}
-	close(pfd[1]);
-	for (ssize_t r; got + 1 < len && (r = read(pfd[0], out + got, len - 1 - got)) > 0;)
-		got += (size_t)r;
-	out[got] = '\0';
-	close(pfd[0]);
-	(void)waitpid(pid, &st, 0);
-	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
 
 static double agent_field(const struct ro_test_agent *ag, const char *key)
 {
@@ -387,15 +346,15 @@ Test(managed, tls_and_mtls)
 	(void)snprintf(other, sizeof(other), "%s/other-ca.crt", r.certdir);
 	ro_test_name("tls", q, sizeof(q));
 
-	cr_expect_eq(ctl(out, sizeof(out), "--redis", r.url, "--redis-tls-ca", other, "status",
+	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", r.url, "--redis-tls-ca", other, "status",
 			 NULL),
 		     2, "%s", out);
 	cr_expect(strstr(out, "not trusted"), "%s", out);
-	cr_expect_eq(ctl(out, sizeof(out), "--redis", r.url, "--redis-tls-ca", r.ca, "status",
+	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", r.url, "--redis-tls-ca", r.ca, "status",
 			 NULL),
 		     2, "%s", out);
 	cr_expect(strstr(out, "client certificate"), "%s", out);
-	cr_expect_eq(ctl(out, sizeof(out), "--redis", r.url, "--redis-tls-ca", r.ca,
+	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", r.url, "--redis-tls-ca", r.ca,
 			 "--redis-tls-cert", r.cert, "--redis-tls-key", r.key, "--queue", q, "status",
 			 NULL),
 		     0, "%s", out);
@@ -409,9 +368,9 @@ Test(managed, tls_and_mtls)
 		cr_assert_eq(setenv("ROLLOUTD_REDIS_TLS_CA", r.ca, 1), 0);
 		cr_assert_eq(setenv("ROLLOUTD_REDIS_TLS_CERT", r.cert, 1), 0);
 		cr_assert_eq(setenv("ROLLOUTD_REDIS_TLS_KEY", r.key, 1), 0);
-		cr_expect_eq(ctl(out, sizeof(out), "--redis", byname, "--queue", q, "status", NULL),
+		cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", byname, "--queue", q, "status", NULL),
 			     0, "%s", out);
-		cr_expect_eq(ctl(out, sizeof(out), "--redis", byname, "--redis-tls-server-name",
+		cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", byname, "--redis-tls-server-name",
 				 "not-this-server", "--queue", q, "status", NULL),
 			     2, "%s", out);
 		cr_expect(strstr(out, "not trusted"), "%s", out);
@@ -483,12 +442,12 @@ Test(managed, acl_users)
 	cr_expect(ro_test_agent_log_has(&a, "rolloutctl init"), "names the way out");
 	cr_expect(!ro_test_agent_log_has(&a, "w0rker"), "no password in the log");
 
-	cr_expect_eq(ctl(out, sizeof(out), "--redis", admin, "--queue", q, "init", NULL), 0, "%s",
+	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", admin, "--queue", q, "init", NULL), 0, "%s",
 		     out);
 	ro_test_agent_start(&a, dir, model, bad, "acl-bad", q, NULL, NULL);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 2);
 	cr_expect(ro_test_agent_log_has(&a, "user worker.*WRONGPASS"));
-	cr_expect_eq(ctl(out, sizeof(out), "--redis", bad, "--queue", q, "status", NULL), 2, "%s",
+	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", bad, "--queue", q, "status", NULL), 2, "%s",
 		     out);
 	cr_expect(strstr(out, "WRONGPASS") && strstr(out, "worker"), "%s", out);
 
@@ -511,7 +470,7 @@ Test(managed, acl_users)
 		(void)fputs("w0rker%pw\n", f);
 		(void)fclose(f);
 		(void)snprintf(u2, sizeof(u2), "redis://worker@127.0.0.1:%d", r.port);
-		cr_expect_eq(ctl(out, sizeof(out), "--redis", u2, "--redis-password-file", pwf,
+		cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", u2, "--redis-password-file", pwf,
 				 "--queue", q, "status", NULL),
 			     0, "%s", out);
 	}
@@ -587,13 +546,13 @@ Test(managed, cluster_routing)
 		cr_expect_eq(done_count(qq[i]), 8, "queue %s", names[i]);
 		verify_once(qq[i], 8, 2);
 		cr_expect(strstr(ro_test_agent_status(&a[i], "status\n"), "\"redis_mode\":\"cluster\""));
-		cr_expect_eq(ctl(out, sizeof(out), "--redis", seed, "--queue", names[i], "status",
+		cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", seed, "--queue", names[i], "status",
 				 NULL),
 			     0, "%s", out);
 		cr_expect(strstr(out, "done     8"), "%s", out);
 	}
 	(void)snprintf(bad, sizeof(bad), "%s/1", seed);
-	cr_expect_eq(ctl(out, sizeof(out), "--redis", bad, "--queue", names[0], "status", NULL), 2,
+	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", bad, "--queue", names[0], "status", NULL), 2,
 		     "%s", out);
 	cr_expect(strstr(out, "only db 0"), "%s", out);
 	for (int i = 0; i < 3; i++) {
@@ -635,7 +594,7 @@ static void failover_run(bool sentinel)
 			       "--claim-batch", "1", NULL};
 	pid_t old;
 	int promoted_port, units = 12;
-	unsigned max_new = scaled(600);
+	unsigned max_new = ro_test_scaled(600);
 
 	ro_test_name(sentinel ? "snt" : "clu", q, sizeof(q));
 	if (sentinel) {
@@ -721,7 +680,7 @@ Test(managed, cluster_slot_migration)
 	(void)snprintf(key, sizeof(key), "{%s}", q);
 	slot = ro_test_slot(key);
 	qq = open_q(c.node[from].url, q, "enq", NULL);
-	enqueue(qq, "m", units, 2, scaled(300));
+	enqueue(qq, "m", units, 2, ro_test_scaled(300));
 	ro_test_agent_start(&a, dir, model, c.node[from].url, "mig", q,
 			    (const char *const[]){"--max-inflight", "4", "--claim-batch", "1", NULL},
 			    NULL);
@@ -992,7 +951,7 @@ Test(managed, cluster_manual_failover)
 	rep = ro_test_cluster_replica_of(&c, owner);
 	cr_assert_geq(rep, 0);
 	qq = open_q(c.node[owner].url, q, "enq", NULL);
-	enqueue(qq, "o", units, 2, scaled(300));
+	enqueue(qq, "o", units, 2, ro_test_scaled(300));
 	ro_test_agent_start(&a, dir, model, c.node[owner].url, "mfo", q,
 			    (const char *const[]){"--max-inflight", "4", "--claim-batch", "1", NULL},
 			    NULL);
@@ -1029,11 +988,11 @@ Test(managed, maxclients_is_not_a_credentials_error)
 	(void)snprintf(url, sizeof(url), "redis://:pw@127.0.0.1:%d", r.port);
 	hold = redisConnect("127.0.0.1", r.port); /* the one client it takes */
 	cr_assert(hold && !hold->err);
-	cr_expect_eq(ctl(out, sizeof(out), "--redis", url, "--redis-timeout-ms", "500", "status",
+	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", url, "--redis-timeout-ms", "500", "status",
 			 NULL),
 		     1, "%s", out);
 	cr_expect(strstr(out, "max number of clients"), "%s", out);
 	redisFree(hold);
-	cr_expect_eq(ctl(out, sizeof(out), "--redis", url, "status", NULL), 0, "%s", out);
+	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", url, "status", NULL), 0, "%s", out);
 	ro_test_redis_stop(&r);
 }

@@ -61,40 +61,6 @@ static void teardown(void)
 
 TestSuite(policy, .init = setup, .fini = teardown, .timeout = 180);
 
-/* rolloutctl with args (NULL-terminated): its exit status, stdout (+ stderr) in out. */
-__attribute__((sentinel)) static int ctl(char *out, size_t len, ...)
-{
-	const char *av[48];
-	size_t n = 0, got = 0;
-	int pfd[2], st;
-	va_list ap;
-	pid_t pid;
-
-	av[n++] = ro_test_bin("RO_ROLLOUTCTL", "rolloutctl");
-	va_start(ap, len);
-	for (const char *a; n < 47 && (a = va_arg(ap, const char *));)
-		av[n++] = a;
-	va_end(ap);
-	av[n] = NULL;
-	cr_assert_eq(pipe(pfd), 0);
-	pid = fork();
-	cr_assert_geq(pid, 0);
-	if (pid == 0) {
-		(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
-		(void)dup2(pfd[1], 1);
-		(void)dup2(pfd[1], 2);
-		close(pfd[0]);
-		execv(av[0], (char *const *)av);
-		_exit(127);
-	}
-	close(pfd[1]);
-	for (ssize_t r; got + 1 < len && (r = read(pfd[0], out + got, len - 1 - got)) > 0;)
-		got += (size_t)r;
-	out[got] = '\0';
-	close(pfd[0]);
-	(void)waitpid(pid, &st, 0);
-	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-}
 
 static double field(const struct ro_test_agent *ag, const char *key)
 {
@@ -139,7 +105,7 @@ static void publish(const char *q, const char *model, const char *version, int w
 	char out[4096], uri[200];
 
 	(void)snprintf(uri, sizeof(uri), "file://%s/", model);
-	cr_assert_eq(ctl(out, sizeof(out), "--redis", ro_test_redis_url(), "--queue", q, "policy",
+	cr_assert_eq(ro_test_ctl(out, sizeof(out), "--redis", ro_test_redis_url(), "--queue", q, "policy",
 			 "publish", "--version", version, "--uri", uri, NULL),
 		     want, "%s", out);
 }
@@ -214,10 +180,10 @@ static void reference(const char *model, const struct smp *s, int k, int max_new
 	for (int i = 0; i < k; i++)
 		(void)snprintf(pre + strlen(pre), sizeof(pre) - strlen(pre), "%s%d", i ? "," : "",
 			       s->tok[i]);
-	cr_assert_eq(k ? ctl(out, sizeof(out), "generate", "--model", model, "--prompt", prompt,
+	cr_assert_eq(k ? ro_test_ctl(out, sizeof(out), "generate", "--model", model, "--prompt", prompt,
 			     "--n", "1", "--first-idx", idx, "--unit", unit_i, "--seed", seed,
 			     "--max-new-tokens", mx, "--threads", "1", "--prefix", pre, NULL)
-		       : ctl(out, sizeof(out), "generate", "--model", model, "--prompt", prompt,
+		       : ro_test_ctl(out, sizeof(out), "generate", "--model", model, "--prompt", prompt,
 			     "--n", "1", "--first-idx", idx, "--unit", unit_i, "--seed", seed,
 			     "--max-new-tokens", mx, "--threads", "1", NULL),
 		     0, "%s", out);
@@ -452,7 +418,7 @@ Test(policy, a_drain_does_not_wait_for_a_download)
 	enqueue(q, 8, 2, 400);
 	ro_test_agent_start(&a, dir, model_a, ro_test_redis_url(), "dl", q, extra, NULL);
 	cr_assert(wait_field(&a, "in_flight", 1, 30000));
-	cr_expect_eq(ctl(out, sizeof(out), "--redis", ro_test_redis_url(), "--queue", q, "policy",
+	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", ro_test_redis_url(), "--queue", q, "policy",
 			 "publish", "--version", "2", "--uri", uri, NULL),
 		     0, "%s", out);
 	cr_expect(wait_field(&a, "policy_bytes_done", 1, 30000), "downloading");

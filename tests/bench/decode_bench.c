@@ -31,6 +31,7 @@
 #endif
 
 #include "kernels/model.h"
+#include "tests/bench/bench_model.h"
 
 static double now(void)
 {
@@ -204,19 +205,7 @@ static int ensure_model(const char *dir)
 	(void)snprintf(p, sizeof(p), "%s/config.json", dir);
 	if (stat(p, &st) == 0)
 		return 0;
-	ro_make_model_defaults(&o);
-	o.arch = RO_ARCH_QWEN3_MOE;
-	o.layers = 16;
-	o.hidden = 1024;
-	o.heads = 16;
-	o.kv_heads = 4;
-	o.head_dim = 64;
-	o.experts = 64;
-	o.top_k = 8;
-	o.expert_ffn = 256;
-	o.vocab = 32768;
-	o.dtype = "BF16";
-	o.seed = 2026;
+	ro_bench_model(&o, 2026);
 	(void)fprintf(stderr, "decode_bench: writing the model to %s ...\n", dir);
 	if (ro_make_model(&o, dir, err, sizeof(err))) {
 		(void)fprintf(stderr, "decode_bench: %s\n", err);

@@ -29,6 +29,7 @@
 
 #include "agent/fetch.h"
 #include "kernels/model.h"
+#include "tests/bench/bench_model.h"
 #include "tests/redis_fixture.h"
 #include "tests/testutil.h"
 
@@ -48,19 +49,7 @@ static int ensure_model(const char *dir, uint64_t seed)
 	(void)snprintf(p, sizeof(p), "%s/config.json", dir);
 	if (stat(p, &st) == 0)
 		return 0;
-	ro_make_model_defaults(&o);
-	o.arch = RO_ARCH_QWEN3_MOE;
-	o.layers = 16;
-	o.hidden = 1024;
-	o.heads = 16;
-	o.kv_heads = 4;
-	o.head_dim = 64;
-	o.experts = 64;
-	o.top_k = 8;
-	o.expert_ffn = 256;
-	o.vocab = 32768;
-	o.dtype = "BF16";
-	o.seed = seed;
+	ro_bench_model(&o, seed);
 	(void)fprintf(stderr, "policy_bench: writing a model to %s ...\n", dir);
 	if (ro_make_model(&o, dir, err, sizeof(err))) {
 		(void)fprintf(stderr, "policy_bench: %s\n", err);
