@@ -3,6 +3,9 @@
  * policy_bench generate it. */
 #pragma once
 
+#include <stdio.h>
+#include <sys/stat.h>
+
 #include "kernels/model.h"
 
 static inline void ro_bench_model(struct ro_make_model_opts *o, uint64_t seed)
@@ -20,4 +23,24 @@ static inline void ro_bench_model(struct ro_make_model_opts *o, uint64_t seed)
 	o->vocab = 32768;
 	o->dtype = "BF16";
 	o->seed = seed;
+}
+
+/* dir holds the bench model made with seed (written now unless its config.json is there);
+ * tool names the program in its messages. 0 or -1. */
+static inline int ro_bench_model_ensure(const char *tool, const char *dir, uint64_t seed)
+{
+	struct ro_make_model_opts o;
+	char p[4096], err[512];
+	struct stat st;
+
+	(void)snprintf(p, sizeof(p), "%s/config.json", dir);
+	if (stat(p, &st) == 0)
+		return 0;
+	ro_bench_model(&o, seed);
+	(void)fprintf(stderr, "%s: writing the model to %s ...\n", tool, dir);
+	if (ro_make_model(&o, dir, err, sizeof(err))) {
+		(void)fprintf(stderr, "%s: %s\n", tool, err);
+		return -1;
+	}
+	return 0;
 }

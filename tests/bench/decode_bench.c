@@ -196,24 +196,6 @@ static void work(const struct shape *s, double tokens, double ctx_sum, double ex
 		 s->layers * 4.0 * ctx_sum * s->head_dim * s->heads;
 }
 
-static int ensure_model(const char *dir)
-{
-	struct ro_make_model_opts o;
-	char p[4096], err[512];
-	struct stat st;
-
-	(void)snprintf(p, sizeof(p), "%s/config.json", dir);
-	if (stat(p, &st) == 0)
-		return 0;
-	ro_bench_model(&o, 2026);
-	(void)fprintf(stderr, "decode_bench: writing the model to %s ...\n", dir);
-	if (ro_make_model(&o, dir, err, sizeof(err))) {
-		(void)fprintf(stderr, "decode_bench: %s\n", err);
-		return -1;
-	}
-	return 0;
-}
-
 /* ---- decode under a chunked prefill ------------------------------------------------------ */
 
 struct chunked {
@@ -463,7 +445,7 @@ int main(int argc, char **argv)
 	for (uint32_t i = 0; i < ck.nb; i++)
 		if (!ck.batches[i])
 			return 2;
-	if (ensure_model(dir))
+	if (ro_bench_model_ensure("decode_bench", dir, 2026))
 		return 1;
 	mo.threads = threads;
 	if (ro_model_load(dir, &mo, &m, err, sizeof(err))) {

@@ -40,24 +40,6 @@ static const char *bin(const char *env, const char *dflt)
 	return p && *p ? p : dflt;
 }
 
-static int ensure_model(const char *dir, uint64_t seed)
-{
-	struct ro_make_model_opts o;
-	char p[4096], err[512];
-	struct stat st;
-
-	(void)snprintf(p, sizeof(p), "%s/config.json", dir);
-	if (stat(p, &st) == 0)
-		return 0;
-	ro_bench_model(&o, seed);
-	(void)fprintf(stderr, "policy_bench: writing a model to %s ...\n", dir);
-	if (ro_make_model(&o, dir, err, sizeof(err))) {
-		(void)fprintf(stderr, "policy_bench: %s\n", err);
-		return -1;
-	}
-	return 0;
-}
-
 static const char *status(const char *sock)
 {
 	static char buf[8192];
@@ -185,8 +167,9 @@ int main(int argc, char **argv)
 	(void)snprintf(a_dir, sizeof(a_dir), "%s/a", models);
 	(void)snprintf(b_dir, sizeof(b_dir), "%s/b", models);
 	(void)snprintf(c_dir, sizeof(c_dir), "%s/c", models);
-	if (ensure_model(a_dir, 2026) || ensure_model(b_dir, 2027) ||
-	    (want_s3 && ensure_model(c_dir, 2028)))
+	if (ro_bench_model_ensure("policy_bench", a_dir, 2026) ||
+	    ro_bench_model_ensure("policy_bench", b_dir, 2027) ||
+	    (want_s3 && ro_bench_model_ensure("policy_bench", c_dir, 2028)))
 		return 1;
 	(void)snprintf(work, sizeof(work), "/tmp/ro-pbench-XXXXXX");
 	if (!mkdtemp(work) || ro_test_redis_start(&R, false))
