@@ -310,6 +310,14 @@ int ro_ctl_generate(int argc, char **argv)
 		goto out;
 	}
 	V = ro_model_config(m)->vocab;
+	if ((uint64_t)plen + max_new > ro_model_config(m)->max_pos) {
+		(void)fprintf(stderr,
+			      "rolloutctl: --max-new-tokens %u: the prompt's %u tokens and %u new ones "
+			      "exceed the model's max_position_embeddings (%u)\n",
+			      max_new, plen, max_new, ro_model_config(m)->max_pos);
+		rc = EXIT_USAGE;
+		goto out;
+	}
 	for (uint32_t i = 0; i < plen; i++)
 		if ((uint32_t)prompt[i] >= V) {
 			(void)fprintf(stderr, "rolloutctl: prompt token %d is outside the vocab (%u)\n",
@@ -398,6 +406,15 @@ int ro_ctl_generate(int argc, char **argv)
 			}
 			t = ro_sample(logits + (size_t)i * V, V, &sp, key, first + i, len[i],
 				      &lps[i][len[i]]);
+			if (t < 0) {
+				(void)fprintf(stderr,
+					      "rolloutctl: sample %u, token %u: %s\n", first + i,
+					      len[i],
+					      t == -EDOM ? "the logits are not finite (NaN or "
+							   "infinity in the forward pass)"
+							 : strerror(-t));
+				goto out;
+			}
 			toks[i][len[i]++] = t;
 			for (uint32_t s = 0; s < n_stop; s++)
 				done[i] = done[i] || t == stop[s];

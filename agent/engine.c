@@ -124,6 +124,7 @@ struct job {
 	bool stop;
 	int item; /* index in the forward's items, -1 none */
 	int r;
+	int bad; /* decode: the sampler's error (non-finite logits), the unit fails */
 };
 
 struct step {
@@ -302,6 +303,10 @@ static void build(struct ro_agent *a, struct step *st)
 
 			j->tok =
 			    ro_sample(s->logits, a->vocab, &sp, u->key, s->idx, s->len, &j->lp);
+			if (j->tok < 0) {
+				j->bad = j->tok;
+				continue; /* no item: commit fails the unit */
+			}
 			j->stop = is_stop(&u->u, j->tok);
 			if (j->stop || s->len + 1 >= u->u.max_new_tokens) {
 				j->kind = J_FINISH; /* its last token: nothing to run */
@@ -404,6 +409,13 @@ static uint32_t commit(struct ro_agent *a, struct step *st)
 
 		if (j->r) {
 			unit_fail(u, "the forward failed", j->r);
+			continue;
+		}
+		if (j->bad) {
+			unit_fail(u,
+				  j->bad == -EDOM ? "sampling failed (the logits are not finite)"
+						  : "sampling failed",
+				  j->bad);
 			continue;
 		}
 		switch (j->kind) {

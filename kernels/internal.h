@@ -16,7 +16,8 @@ struct ro_tensor {
 	uint32_t ndim;
 	uint64_t shape[4];
 	const void *data; /* inside a mapping, checked to lie within its file */
-	uint64_t bytes;
+	uint64_t begin, bytes; /* in the file's data section */
+	uint32_t file;	       /* which file of the set */
 };
 
 struct ro_st_set; /* every tensor of a model directory, mapped */
@@ -26,8 +27,21 @@ int ro_st_open_dir(const char *dir, struct ro_st_set **ret, char *err, size_t er
 struct ro_st_set *ro_st_free(struct ro_st_set *s);
 const struct ro_tensor *ro_st_find(const struct ro_st_set *s, const char *name);
 size_t ro_st_count(const struct ro_st_set *s);
+/* Tensors by position (sorted by name), a tensor's position, and its file's name. */
+const struct ro_tensor *ro_st_at(const struct ro_st_set *s, size_t i);
+size_t ro_st_index(const struct ro_st_set *s, const struct ro_tensor *t);
+const char *ro_st_file(const struct ro_st_set *s, const struct ro_tensor *t);
 
 size_t ro_dtype_size(enum ro_dtype t);
+
+/* A regular file of at most max bytes read whole, NUL-terminated (a FIFO, a device or a
+ * larger file is refused, and nothing blocks). */
+int ro_read_small(const char *path, size_t max, char **ret, size_t *ret_len, char *err,
+		  size_t errlen);
+struct json_object;
+/* text[0..len) as one JSON object; `what` names it in the messages. */
+int ro_parse_json_object(const char *what, const char *text, size_t len, struct json_object **ret,
+			 char *err, size_t errlen);
 int ro_errf(char *err, size_t errlen, int r, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 

@@ -15,7 +15,7 @@
 struct spec {
 	char name[128];
 	uint64_t d0, d1; /* d1 == 0: a vector */
-	int kind;	 /* 0 linear, 1 norm, 2 embedding, 3 router */
+	int kind;	 /* 0 linear, 1 norm, 2 embedding, 3 router, 4 bias */
 	uint32_t shard;
 	uint64_t off;
 };
@@ -102,6 +102,9 @@ static int write_tensor(FILE *f, const struct spec *t, enum ro_dtype dt, uint64_
 		break;
 	case 3:
 		scale = 4.0 / sqrt((double)t->d1);
+		break;
+	case 4:
+		scale = 0.5;
 		break;
 	default:
 		scale = 1.7 / sqrt((double)t->d1);
@@ -229,6 +232,11 @@ int ro_make_model(const struct ro_make_model_opts *o, const char *dir, char *err
 		    add(&t, &n, &cap, 0, kvd, H, "model.layers.%u.self_attn.k_proj.weight", l) ||
 		    add(&t, &n, &cap, 0, kvd, H, "model.layers.%u.self_attn.v_proj.weight", l) ||
 		    add(&t, &n, &cap, 0, H, qd, "model.layers.%u.self_attn.o_proj.weight", l);
+		if (!r && q3 && o->attn_bias)
+			r = add(&t, &n, &cap, 4, qd, 0, "model.layers.%u.self_attn.q_proj.bias", l) ||
+			    add(&t, &n, &cap, 4, kvd, 0, "model.layers.%u.self_attn.k_proj.bias", l) ||
+			    add(&t, &n, &cap, 4, kvd, 0, "model.layers.%u.self_attn.v_proj.bias", l) ||
+			    add(&t, &n, &cap, 4, H, 0, "model.layers.%u.self_attn.o_proj.bias", l);
 		if (!r && q3)
 			r = add(&t, &n, &cap, 1, o->head_dim, 0,
 				"model.layers.%u.self_attn.q_norm.weight", l) ||
@@ -298,18 +306,20 @@ int ro_make_model(const struct ro_make_model_opts *o, const char *dir, char *err
 				      "  \"num_key_value_heads\": %u,\n  \"head_dim\": %u,\n"
 				      "  \"num_experts_per_tok\": %u,\n  \"rope_theta\": %.1f,\n"
 				      "  \"rms_norm_eps\": 1e-06,\n  \"max_position_embeddings\": 32768,\n"
-				      "  \"tie_word_embeddings\": false,\n  \"torch_dtype\": \"%s\",\n",
+				      "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\",\n",
 				      q3 ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM",
 				      q3 ? "qwen3_moe" : "mixtral", o->vocab, H, o->layers, o->heads,
 				      o->kv_heads, o->head_dim, o->top_k, o->rope_theta,
-				      dt == RO_BF16 ? "bfloat16" : dt == RO_F16 ? "float16" : "float32");
+				      o->tie_embeddings ? "true" : "false", dt == RO_BF16 ? "bfloat16" : dt == RO_F16 ? "float16" : "float32");
 			if (q3) {
 				(void)fprintf(f,
 					      "  \"num_experts\": %u,\n  \"moe_intermediate_size\": %u,\n"
 					      "  \"intermediate_size\": %u,\n  \"decoder_sparse_step\": 1,\n"
-					      "  \"norm_topk_prob\": %s,\n  \"mlp_only_layers\": [",
+					      "  \"norm_topk_prob\": %s,\n  \"attention_bias\": %s,\n"
+					      "  \"mlp_only_layers\": [",
 					      o->experts, o->expert_ffn, dffn,
-					      o->norm_topk ? "true" : "false");
+					      o->norm_topk ? "true" : "false",
+					      o->attn_bias ? "true" : "false");
 				for (uint32_t l = 0, first = 1; l < o->layers; l++)
 					if (o->dense_layers >> l & 1) {
 						(void)fprintf(f, "%s%u", first ? "" : ", ", l);
@@ -319,8 +329,12 @@ int ro_make_model(const struct ro_make_model_opts *o, const char *dir, char *err
 			} else {
 				(void)fprintf(f,
 					      "  \"num_local_experts\": %u,\n  \"intermediate_size\": "
-					      "%u,\n  \"sliding_window\": null\n}\n",
+					      "%u,\n  \"sliding_window\": ",
 					      o->experts, o->expert_ffn);
+				if (o->sliding_window)
+					(void)fprintf(f, "%u\n}\n", o->sliding_window);
+				else
+					(void)fprintf(f, "null\n}\n");
 			}
 			if (fclose(f))
 				r = ro_errf(err, errlen, -EIO, "%s: write failed", path);

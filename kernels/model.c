@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <json-c/json.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,7 @@
 
 struct layer {
 	float *in_norm, *post_norm, *q_norm, *k_norm; /* owned f32 copies; q/k norm Qwen3 only */
+	float *bq, *bk, *bv, *bo; /* attention_bias (Qwen3-MoE), else NULL */
 	struct ro_mat q, k, v, o, router;
 	struct ro_mat *gate, *up, *down; /* experts entries, or 1 for a dense layer */
 	uint32_t n_mlp, ffn;
@@ -36,6 +38,7 @@ struct ro_model {
 	const struct ro_tensor *embed;
 	struct ro_mat head;
 	float *final_norm;
+	bool *used;   /* per tensor of st: read by the model (the rest is refused) */
 	void **owned; /* widened f16 matrices */
 	size_t n_owned;
 	struct ro_moe_exchange xch;
@@ -54,189 +57,346 @@ struct ro_seq {
 	float *k, *v; /* [layers][cap][kv_heads * head_dim] */
 };
 
-/* ---- config ---------------------------------------------------------------------------- */
+/* ---- config ----------------------------------------------------------------------------
+ * config.json as Hugging Face's Qwen3MoeConfig / MixtralConfig read it: the same defaults
+ * for what is absent, and every key that changes the computation either implemented as
+ * the modeling code does it or refused with the file and the key named. */
 
-static bool get_u32(struct json_object *o, const char *key, uint32_t *ret, bool required)
+#define MAX_CONFIG (1u << 20)
+
+struct cfg {
+	const char *path;
+	struct json_object *o;
+	char *err;
+	size_t errlen;
+};
+
+static int cfg_bad(const struct cfg *x, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int cfg_bad(const struct cfg *x, const char *key, const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+
+	va_start(ap, fmt);
+	(void)vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	return ro_errf(x->err, x->errlen, -EINVAL, "%s: %s: %s", x->path, key, msg);
+}
+
+/* The value of key, or NULL when it is absent or null. */
+static struct json_object *cfg_get(const struct cfg *x, const char *key)
 {
 	struct json_object *v;
-	int64_t x;
 
-	if (!json_object_object_get_ex(o, key, &v) || json_object_is_type(v, json_type_null))
-		return !required;
+	if (!json_object_object_get_ex(x->o, key, &v) || json_object_is_type(v, json_type_null))
+		return NULL;
+	return v;
+}
+
+static const char *cfg_show(struct json_object *v)
+{
+	return json_object_to_json_string_ext(v, JSON_C_TO_STRING_PLAIN);
+}
+
+/* An integer in [lo, hi]; absent (or null) leaves *ret, unless required. */
+static int cfg_u32(const struct cfg *x, const char *key, uint32_t *ret, bool required,
+		   uint32_t lo, uint32_t hi)
+{
+	struct json_object *v = cfg_get(x, key);
+	int64_t n;
+
+	if (!v)
+		return required ? cfg_bad(x, key, "missing") : 0;
 	if (!json_object_is_type(v, json_type_int))
-		return false;
-	x = json_object_get_int64(v);
-	if (x < 0 || x > (int64_t)UINT32_MAX)
-		return false;
-	*ret = (uint32_t)x;
-	return true;
+		return cfg_bad(x, key, "%.64s is not an integer", cfg_show(v));
+	n = json_object_get_int64(v);
+	if (n < lo || n > hi)
+		return cfg_bad(x, key, "%lld is out of range [%u, %u]", (long long)n, lo, hi);
+	*ret = (uint32_t)n;
+	return 0;
 }
 
-static bool get_num(struct json_object *o, const char *key, double *ret)
+static int cfg_num(const struct cfg *x, const char *key, double *ret, double lo)
 {
-	struct json_object *v;
+	struct json_object *v = cfg_get(x, key);
 
-	if (!json_object_object_get_ex(o, key, &v) || json_object_is_type(v, json_type_null))
-		return true;
+	if (!v)
+		return 0;
 	if (!json_object_is_type(v, json_type_double) && !json_object_is_type(v, json_type_int))
-		return false;
+		return cfg_bad(x, key, "%.64s is not a number", cfg_show(v));
 	*ret = json_object_get_double(v);
-	return isfinite(*ret);
+	if (!isfinite(*ret) || *ret < lo)
+		return cfg_bad(x, key, "%.64s is out of range", cfg_show(v));
+	return 0;
 }
 
-static bool get_bool(struct json_object *o, const char *key, bool *ret)
+static int cfg_bool(const struct cfg *x, const char *key, bool *ret)
 {
-	struct json_object *v;
+	struct json_object *v = cfg_get(x, key);
 
-	if (!json_object_object_get_ex(o, key, &v) || json_object_is_type(v, json_type_null))
-		return true;
+	if (!v)
+		return 0;
 	if (!json_object_is_type(v, json_type_boolean))
-		return false;
+		return cfg_bad(x, key, "%.64s is not true or false", cfg_show(v));
 	*ret = json_object_get_boolean(v);
-	return true;
+	return 0;
+}
+
+static int cfg_str(const struct cfg *x, const char *key, const char **ret)
+{
+	struct json_object *v = cfg_get(x, key);
+
+	*ret = NULL;
+	if (!v)
+		return 0;
+	if (!json_object_is_type(v, json_type_string))
+		return cfg_bad(x, key, "%.64s is not a string", cfg_show(v));
+	*ret = json_object_get_string(v);
+	return 0;
+}
+
+/* RoPE: only the default kind (rope_scaling null, or rope_type "default"); the
+ * transformers-5 form rope_parameters may also carry rope_theta. */
+static int cfg_rope(const struct cfg *x, struct ro_model_config *c)
+{
+	static const char *const keys[] = {"rope_scaling", "rope_parameters"};
+
+	for (int i = 0; i < 2; i++) {
+		struct json_object *v = cfg_get(x, keys[i]), *t, *th;
+		const char *kind = "default";
+
+		if (!v)
+			continue;
+		if (!json_object_is_type(v, json_type_object))
+			return cfg_bad(x, keys[i], "%.64s is not an object", cfg_show(v));
+		if ((json_object_object_get_ex(v, "rope_type", &t) ||
+		     json_object_object_get_ex(v, "type", &t)) &&
+		    !json_object_is_type(t, json_type_null))
+			kind = json_object_is_type(t, json_type_string) ? json_object_get_string(t)
+									: "?";
+		if (strcmp(kind, "default"))
+			return cfg_bad(x, keys[i],
+				       "RoPE scaling \"%.32s\" is not supported (only the default "
+				       "rotary embedding)",
+				       kind);
+		if (json_object_object_get_ex(v, "rope_theta", &th)) {
+			if ((!json_object_is_type(th, json_type_double) &&
+			     !json_object_is_type(th, json_type_int)) ||
+			    !(json_object_get_double(th) > 0) ||
+			    !isfinite(json_object_get_double(th)))
+				return cfg_bad(x, keys[i], "rope_theta %.64s is not a positive number",
+					       cfg_show(th));
+			c->rope_theta = json_object_get_double(th);
+		}
+	}
+	return 0;
+}
+
+static int cfg_layers(const struct cfg *x, struct ro_model_config *c)
+{
+	struct json_object *v = cfg_get(x, "mlp_only_layers"), *lt = cfg_get(x, "layer_types");
+
+	if (v) {
+		if (!json_object_is_type(v, json_type_array))
+			return cfg_bad(x, "mlp_only_layers", "%.64s is not a list", cfg_show(v));
+		for (size_t i = 0; i < json_object_array_length(v); i++) {
+			struct json_object *e = json_object_array_get_idx(v, i);
+			int64_t l;
+
+			if (!json_object_is_type(e, json_type_int))
+				return cfg_bad(x, "mlp_only_layers", "entry %zu (%.32s) is not a layer",
+					       i, cfg_show(e));
+			l = json_object_get_int64(e);
+			if (l < 0 || l >= (int64_t)c->layers)
+				return cfg_bad(x, "mlp_only_layers",
+					       "layer %lld is not below num_hidden_layers %u",
+					       (long long)l, c->layers);
+			if (l >= 64)
+				return cfg_bad(x, "mlp_only_layers",
+					       "layer %lld: dense layers past 63 are not supported",
+					       (long long)l);
+			c->dense_layers |= 1ULL << l;
+		}
+	}
+	if (lt) {
+		if (!json_object_is_type(lt, json_type_array))
+			return cfg_bad(x, "layer_types", "%.64s is not a list", cfg_show(lt));
+		for (size_t i = 0; i < json_object_array_length(lt); i++) {
+			struct json_object *e = json_object_array_get_idx(lt, i);
+
+			if (!json_object_is_type(e, json_type_string) ||
+			    strcmp(json_object_get_string(e), "full_attention"))
+				return cfg_bad(x, "layer_types",
+					       "entry %zu (%.32s): only full_attention is supported", i,
+					       cfg_show(e));
+		}
+	}
+	return 0;
+}
+
+static int cfg_parse(const struct cfg *x, struct ro_model_config *c)
+{
+	struct json_object *arch = cfg_get(x, "architectures"), *v;
+	const char *an, *mt, *act;
+	bool q3, swin = false;
+	int r;
+
+	if (!arch || !json_object_is_type(arch, json_type_array) ||
+	    json_object_array_length(arch) < 1 ||
+	    !json_object_is_type(json_object_array_get_idx(arch, 0), json_type_string))
+		return cfg_bad(x, "architectures", "want a list naming the model class");
+	an = json_object_get_string(json_object_array_get_idx(arch, 0));
+	if (!strcmp(an, "Qwen3MoeForCausalLM"))
+		c->arch = RO_ARCH_QWEN3_MOE;
+	else if (!strcmp(an, "MixtralForCausalLM"))
+		c->arch = RO_ARCH_MIXTRAL;
+	else
+		return ro_errf(x->err, x->errlen, -ENOTSUP,
+			       "%s: architectures: %.64s is not supported (Qwen3MoeForCausalLM, "
+			       "MixtralForCausalLM)",
+			       x->path, an);
+	q3 = c->arch == RO_ARCH_QWEN3_MOE;
+	if ((r = cfg_str(x, "model_type", &mt)))
+		return r;
+	if (mt && strcmp(mt, q3 ? "qwen3_moe" : "mixtral"))
+		return cfg_bad(x, "model_type", "%.64s does not match architectures %s (want %s)", mt,
+			       an, q3 ? "qwen3_moe" : "mixtral");
+	if (cfg_get(x, "quantization_config"))
+		return cfg_bad(x, "quantization_config",
+			       "quantized checkpoints are not supported (F32, BF16, F16 weights)");
+	/* Hugging Face's defaults for what config.json leaves out */
+	c->rope_theta = q3 ? 10000.0 : 1e6;
+	c->rms_eps = q3 ? 1e-6 : 1e-5;
+	c->sparse_step = 1;
+	c->norm_topk = !q3;
+	c->max_pos = q3 ? 32768 : 4096 * 32;
+	c->kv_heads = q3 ? 4 : 8;
+	if ((r = cfg_u32(x, "vocab_size", &c->vocab, true, 2, 1u << 24)) ||
+	    (r = cfg_u32(x, "hidden_size", &c->hidden, true, 1, 65536)) ||
+	    (r = cfg_u32(x, "num_hidden_layers", &c->layers, true, 1, 1024)) ||
+	    (r = cfg_u32(x, "num_attention_heads", &c->heads, true, 1, 1024)) ||
+	    (r = cfg_u32(x, "head_dim", &c->head_dim, false, 2, 1024)) ||
+	    (r = cfg_u32(x, "num_experts_per_tok", &c->top_k, true, 1, 4096)) ||
+	    (r = cfg_u32(x, "intermediate_size", &c->dense_ffn, !q3, 1, 1u << 20)) ||
+	    (r = cfg_u32(x, "max_position_embeddings", &c->max_pos, false, 1, 1u << 24)) ||
+	    (r = cfg_num(x, "rope_theta", &c->rope_theta, 0)) ||
+	    (r = cfg_num(x, "rms_norm_eps", &c->rms_eps, 0)) ||
+	    (r = cfg_bool(x, "tie_word_embeddings", &c->tie_embeddings)) ||
+	    (r = cfg_str(x, "hidden_act", &act)) || (r = cfg_rope(x, c)))
+		return r;
+	/* num_key_value_heads: absent is the class default (4, 8); null is num_attention_heads */
+	if (json_object_object_get_ex(x->o, "num_key_value_heads", &v) &&
+	    json_object_is_type(v, json_type_null))
+		c->kv_heads = c->heads;
+	else if ((r = cfg_u32(x, "num_key_value_heads", &c->kv_heads, false, 1, 1024)))
+		return r;
+	if (!(c->rope_theta > 0))
+		return cfg_bad(x, "rope_theta", "%g is not positive", c->rope_theta);
+	if (act && strcmp(act, "silu") && strcmp(act, "swish"))
+		return cfg_bad(x, "hidden_act", "%.32s is not supported (silu)", act);
+	if (!c->head_dim) {
+		c->head_dim = c->hidden / c->heads;
+		if (c->head_dim < 2)
+			return cfg_bad(x, "head_dim", "hidden_size / num_attention_heads is %u",
+				       c->head_dim);
+	}
+	if (c->head_dim % 2)
+		return cfg_bad(x, "head_dim", "%u is odd (RoPE rotates halves)", c->head_dim);
+	if (c->kv_heads > c->heads || c->heads % c->kv_heads)
+		return cfg_bad(x, "num_key_value_heads", "%u does not divide num_attention_heads %u",
+			       c->kv_heads, c->heads);
+	if (q3) {
+		if ((r = cfg_u32(x, "num_experts", &c->experts, true, 1, 4096)) ||
+		    (r = cfg_u32(x, "moe_intermediate_size", &c->expert_ffn, true, 1, 1u << 20)) ||
+		    (r = cfg_u32(x, "decoder_sparse_step", &c->sparse_step, false, 1, 1u << 20)) ||
+		    (r = cfg_bool(x, "norm_topk_prob", &c->norm_topk)) ||
+		    (r = cfg_bool(x, "attention_bias", &c->attn_bias)) ||
+		    (r = cfg_bool(x, "use_sliding_window", &swin)))
+			return r;
+		/* Qwen3-MoE's window applies from max_window_layers in some transformers
+		 * releases and to every layer in others: not a thing to guess */
+		if (swin && cfg_get(x, "sliding_window"))
+			return cfg_bad(x, "use_sliding_window",
+				       "sliding-window attention is not supported for Qwen3-MoE");
+	} else {
+		if ((r = cfg_u32(x, "num_local_experts", &c->experts, true, 1, 4096)) ||
+		    (r = cfg_u32(x, "sliding_window", &c->sliding_window, false, 1, UINT32_MAX)))
+			return r;
+		c->expert_ffn = c->dense_ffn;
+	}
+	if (c->top_k > c->experts)
+		return cfg_bad(x, "num_experts_per_tok", "%u is more than the %u experts", c->top_k,
+			       c->experts);
+	if ((r = cfg_layers(x, c)))
+		return r;
+	for (uint32_t l = 0; l < c->layers && l < 64; l++)
+		if ((l + 1) % c->sparse_step)
+			c->dense_layers |= 1ULL << l;
+	if (c->layers > 64 && c->sparse_step > 1)
+		return cfg_bad(x, "decoder_sparse_step",
+			       "%u with %u layers: dense layers past 63 are not supported",
+			       c->sparse_step, c->layers);
+	if (c->dense_layers && !c->dense_ffn)
+		return cfg_bad(x, "intermediate_size", "missing, and dense layers need it");
+	return 0;
 }
 
 static int parse_config(const char *dir, struct ro_model_config *c, char *err, size_t errlen)
 {
-	char path[4096];
-	struct json_object *o, *arch, *mlp_only;
-	const char *an;
-	int r = -EINVAL;
-	const char *bad = NULL;
+	char path[4096], *text;
+	size_t len;
+	struct cfg x = {.path = path, .err = err, .errlen = errlen};
+	int r;
 
 	(void)snprintf(path, sizeof(path), "%s/config.json", dir);
-	if (access(path, R_OK))
-		return ro_errf(err, errlen, -ENOENT, "%s: %s", path, strerror(errno));
-	o = json_object_from_file(path);
-	if (!o || !json_object_is_type(o, json_type_object)) {
-		json_object_put(o);
-		return ro_errf(err, errlen, -EBADMSG, "%s: not a JSON object", path);
-	}
+	r = ro_read_small(path, MAX_CONFIG, &text, &len, err, errlen);
+	if (r)
+		return r;
+	r = ro_parse_json_object(path, text, len, &x.o, err, errlen);
+	free(text);
+	if (r)
+		return r;
 	memset(c, 0, sizeof(*c));
-	if (!json_object_object_get_ex(o, "architectures", &arch) ||
-	    !json_object_is_type(arch, json_type_array) || json_object_array_length(arch) < 1 ||
-	    !json_object_is_type(json_object_array_get_idx(arch, 0), json_type_string)) {
-		r = ro_errf(err, errlen, -EINVAL, "%s: no \"architectures\" list", path);
-		goto out;
-	}
-	an = json_object_get_string(json_object_array_get_idx(arch, 0));
-	if (!strcmp(an, "Qwen3MoeForCausalLM")) {
-		c->arch = RO_ARCH_QWEN3_MOE;
-	} else if (!strcmp(an, "MixtralForCausalLM")) {
-		c->arch = RO_ARCH_MIXTRAL;
-	} else {
-		r = ro_errf(err, errlen, -ENOTSUP,
-			    "%s: architecture %s is not supported (Qwen3MoeForCausalLM, "
-			    "MixtralForCausalLM)",
-			    path, an);
-		goto out;
-	}
-	c->rope_theta = c->arch == RO_ARCH_MIXTRAL ? 1e6 : 10000.0;
-	c->rms_eps = 1e-6;
-	c->sparse_step = 1;
-	c->norm_topk = c->arch == RO_ARCH_MIXTRAL;
-	c->max_pos = 32768;
-	if (!get_u32(o, "vocab_size", &c->vocab, true))
-		bad = "vocab_size";
-	else if (!get_u32(o, "hidden_size", &c->hidden, true))
-		bad = "hidden_size";
-	else if (!get_u32(o, "num_hidden_layers", &c->layers, true))
-		bad = "num_hidden_layers";
-	else if (!get_u32(o, "num_attention_heads", &c->heads, true))
-		bad = "num_attention_heads";
-	else if (!get_u32(o, "num_key_value_heads", &c->kv_heads, false))
-		bad = "num_key_value_heads";
-	else if (!get_u32(o, "head_dim", &c->head_dim, false))
-		bad = "head_dim";
-	else if (!get_u32(o, "num_experts_per_tok", &c->top_k, true))
-		bad = "num_experts_per_tok";
-	else if (!get_u32(o, "intermediate_size", &c->dense_ffn, c->arch == RO_ARCH_MIXTRAL))
-		bad = "intermediate_size";
-	else if (!get_u32(o, "max_position_embeddings", &c->max_pos, false))
-		bad = "max_position_embeddings";
-	else if (!get_num(o, "rope_theta", &c->rope_theta) || !(c->rope_theta > 0))
-		bad = "rope_theta";
-	else if (!get_num(o, "rms_norm_eps", &c->rms_eps) || !(c->rms_eps >= 0))
-		bad = "rms_norm_eps";
-	else if (!get_bool(o, "tie_word_embeddings", &c->tie_embeddings))
-		bad = "tie_word_embeddings";
-	if (!bad && c->arch == RO_ARCH_QWEN3_MOE) {
-		if (!get_u32(o, "num_experts", &c->experts, true))
-			bad = "num_experts";
-		else if (!get_u32(o, "moe_intermediate_size", &c->expert_ffn, true))
-			bad = "moe_intermediate_size";
-		else if (!get_u32(o, "decoder_sparse_step", &c->sparse_step, false))
-			bad = "decoder_sparse_step";
-		else if (!get_bool(o, "norm_topk_prob", &c->norm_topk))
-			bad = "norm_topk_prob";
-	} else if (!bad) {
-		if (!get_u32(o, "num_local_experts", &c->experts, true))
-			bad = "num_local_experts";
-		c->expert_ffn = c->dense_ffn;
-	}
-	if (bad) {
-		r = ro_errf(err, errlen, -EINVAL, "%s: %s is missing or has the wrong type", path,
-			    bad);
-		goto out;
-	}
-	if (!c->kv_heads)
-		c->kv_heads = c->heads;
-	if (!c->head_dim && c->heads)
-		c->head_dim = c->hidden / c->heads;
-	if (!c->sparse_step)
-		c->sparse_step = 1;
-	if (json_object_object_get_ex(o, "mlp_only_layers", &mlp_only) &&
-	    json_object_is_type(mlp_only, json_type_array)) {
-		for (size_t i = 0; i < json_object_array_length(mlp_only); i++) {
-			int64_t l = json_object_get_int64(json_object_array_get_idx(mlp_only, i));
-
-			if (l < 0 || l >= 64 || l >= (int64_t)c->layers) {
-				r = ro_errf(err, errlen, -EINVAL, "%s: mlp_only_layers: bad layer %lld",
-					    path, (long long)l);
-				goto out;
-			}
-			c->dense_layers |= 1ULL << l;
-		}
-	}
-	if (c->vocab < 2 || c->hidden < 1 || c->layers < 1 || c->layers > 1024 || c->heads < 1 ||
-	    c->kv_heads < 1 || c->heads % c->kv_heads || c->head_dim < 2 || c->head_dim % 2 ||
-	    c->experts < 1 || c->experts > 4096 || c->top_k < 1 || c->top_k > c->experts ||
-	    c->expert_ffn < 1 || c->hidden > 65536 || c->head_dim > 1024) {
-		r = ro_errf(err, errlen, -EINVAL,
-			    "%s: inconsistent sizes (heads %u, kv_heads %u, head_dim %u, experts %u, "
-			    "top_k %u)",
-			    path, c->heads, c->kv_heads, c->head_dim, c->experts, c->top_k);
-		goto out;
-	}
-	for (uint32_t l = 0; l < c->layers && l < 64; l++)
-		if ((l + 1) % c->sparse_step)
-			c->dense_layers |= 1ULL << l;
-	if (c->dense_layers && !c->dense_ffn) {
-		r = ro_errf(err, errlen, -EINVAL, "%s: dense layers need intermediate_size", path);
-		goto out;
-	}
-	r = 0;
-out:
-	json_object_put(o);
+	r = cfg_parse(&x, c);
+	json_object_put(x.o);
 	return r;
 }
 
 /* ---- weights --------------------------------------------------------------------------- */
 
-static int tensor(struct ro_model *m, const char *name, uint64_t d0, uint64_t d1,
+static void shape_str(char *buf, size_t len, uint32_t ndim, const uint64_t *d)
+{
+	size_t at = 0;
+
+	at += (size_t)snprintf(buf + at, len - at, "[");
+	for (uint32_t i = 0; i < ndim && at < len; i++)
+		at += (size_t)snprintf(buf + at, len - at, "%s%llu", i ? ", " : "",
+				       (unsigned long long)d[i]);
+	if (at < len)
+		(void)snprintf(buf + at, len - at, "]");
+}
+
+/* The tensor `name` with exactly the shape [d0] (d1 == 0 is not "1-D": ndim says) or
+ * [d0, d1]; it is counted as used. */
+static int tensor(struct ro_model *m, const char *name, uint32_t ndim, uint64_t d0, uint64_t d1,
 		  const struct ro_tensor **ret, char *err, size_t errlen)
 {
 	const struct ro_tensor *t = ro_st_find(m->st, name);
+	const uint64_t want[2] = {d0, d1};
 
 	if (!t)
 		return ro_errf(err, errlen, -ENOENT, "tensor %s is missing", name);
-	if ((d1 && (t->ndim != 2 || t->shape[0] != d0 || t->shape[1] != d1)) ||
-	    (!d1 && (t->ndim != 1 || t->shape[0] != d0)))
-		return ro_errf(err, errlen, -EINVAL,
-			       "tensor %s has shape [%llu%s%llu], want [%llu%s%llu]", name,
-			       (unsigned long long)t->shape[0], t->ndim > 1 ? ", " : "",
-			       t->ndim > 1 ? (unsigned long long)t->shape[1] : 0ULL,
-			       (unsigned long long)d0, d1 ? ", " : "", (unsigned long long)d1);
+	if (t->ndim != ndim || t->shape[0] != d0 || (ndim > 1 && t->shape[1] != d1)) {
+		char have[96], w[64];
+
+		shape_str(have, sizeof(have), t->ndim, t->shape);
+		shape_str(w, sizeof(w), ndim, want);
+		return ro_errf(err, errlen, -EINVAL, "%s: tensor %s has shape %s, want %s",
+			       ro_st_file(m->st, t), name, have, w);
+	}
+	m->used[ro_st_index(m->st, t)] = true;
 	*ret = t;
 	return 0;
 }
@@ -267,7 +427,7 @@ static int vec(struct ro_model *m, const char *name, uint64_t n, float **ret, ch
 {
 	const struct ro_tensor *t;
 	float *v;
-	int r = tensor(m, name, n, 0, &t, err, errlen);
+	int r = tensor(m, name, 1, n, 0, &t, err, errlen);
 
 	if (r)
 		return r;
@@ -284,7 +444,7 @@ static int mat(struct ro_model *m, const char *name, uint32_t rows, uint32_t col
 	       struct ro_mat *ret, char *err, size_t errlen)
 {
 	const struct ro_tensor *t;
-	int r = tensor(m, name, rows, cols, &t, err, errlen);
+	int r = tensor(m, name, 2, rows, cols, &t, err, errlen);
 
 	if (r)
 		return r;
@@ -328,6 +488,16 @@ static int load_layer(struct ro_model *m, uint32_t l, char *err, size_t errlen)
 		     errlen)) ||
 	    (r = mat(m, NAME("model.layers.%u.self_attn.o_proj.weight", l), H, qd, &L->o, err,
 		     errlen)))
+		return r;
+	if (c->attn_bias &&
+	    ((r = vec(m, NAME("model.layers.%u.self_attn.q_proj.bias", l), qd, &L->bq, err,
+		      errlen)) ||
+	     (r = vec(m, NAME("model.layers.%u.self_attn.k_proj.bias", l), kvd, &L->bk, err,
+		      errlen)) ||
+	     (r = vec(m, NAME("model.layers.%u.self_attn.v_proj.bias", l), kvd, &L->bv, err,
+		      errlen)) ||
+	     (r = vec(m, NAME("model.layers.%u.self_attn.o_proj.bias", l), H, &L->bo, err,
+		      errlen))))
 		return r;
 	if (c->arch == RO_ARCH_QWEN3_MOE &&
 	    ((r = vec(m, NAME("model.layers.%u.self_attn.q_norm.weight", l), c->head_dim,
@@ -375,6 +545,102 @@ static int load_layer(struct ro_model *m, uint32_t l, char *err, size_t errlen)
 	return r;
 }
 
+/* ---- checks over the whole checkpoint ------------------------------------------------------ */
+
+struct scan {
+	const struct ro_tensor **t;
+	uint64_t *bad; /* per tensor: first non-finite element + 1, or 0 */
+};
+
+static void scan_one(void *arg, uint32_t i)
+{
+	struct scan *sc = arg;
+	const struct ro_tensor *t = sc->t[i];
+	const uint64_t n = t->bytes / ro_dtype_size(t->dtype);
+
+	for (uint64_t k = 0; k < n; k++) {
+		bool inf_nan;
+
+		if (t->dtype == RO_F32) {
+			uint32_t u;
+
+			memcpy(&u, (const uint8_t *)t->data + 4 * k, 4);
+			inf_nan = (u & 0x7f800000u) == 0x7f800000u;
+		} else {
+			const uint16_t h = ((const uint16_t *)t->data)[k];
+
+			inf_nan = t->dtype == RO_BF16 ? (h & 0x7f80u) == 0x7f80u
+						      : (h & 0x7c00u) == 0x7c00u;
+		}
+		if (inf_nan) {
+			sc->bad[i] = k + 1;
+			return;
+		}
+	}
+}
+
+/* NaN or infinity anywhere in a weight the model reads makes every logit downstream
+ * meaningless: refused at load, with the tensor and the element named. */
+static int check_finite(struct ro_model *m, char *err, size_t errlen)
+{
+	const size_t n = ro_st_count(m->st);
+	struct scan sc = {.t = calloc(n, sizeof(*sc.t)), .bad = calloc(n, sizeof(*sc.bad))};
+	uint32_t k = 0;
+	int r = 0;
+
+	if (!sc.t || !sc.bad) {
+		r = -ENOMEM;
+		goto out;
+	}
+	for (size_t i = 0; i < n; i++)
+		if (m->used[i])
+			sc.t[k++] = ro_st_at(m->st, i);
+	ro_pool_for(m->pool, k, scan_one, &sc);
+	for (uint32_t i = 0; i < k && !r; i++)
+		if (sc.bad[i]) {
+			const struct ro_tensor *t = sc.t[i];
+			float v = t->dtype == RO_F32 ? 0 : elem(t, sc.bad[i] - 1);
+
+			if (t->dtype == RO_F32)
+				memcpy(&v, (const uint8_t *)t->data + 4 * (sc.bad[i] - 1), 4);
+			r = ro_errf(err, errlen, -EINVAL, "%s: tensor %s: element %llu is %s",
+				    ro_st_file(m->st, t), t->name,
+				    (unsigned long long)(sc.bad[i] - 1), isnan(v) ? "NaN" : "infinite");
+		}
+out:
+	free(sc.t);
+	free(sc.bad);
+	return r;
+}
+
+/* Every tensor of the checkpoint is one the config describes: a checkpoint with more
+ * layers or experts than config.json says, or weights this runtime does not implement
+ * (biases, another architecture's tensors), is not silently half-used. */
+static int check_all_used(struct ro_model *m, char *err, size_t errlen)
+{
+	const struct ro_model_config *c = &m->c;
+
+	for (size_t i = 0; i < ro_st_count(m->st); i++) {
+		const struct ro_tensor *t = ro_st_at(m->st, i);
+		const size_t nl = strlen(t->name), sl = strlen(".rotary_emb.inv_freq");
+
+		if (m->used[i])
+			continue;
+		if (nl > sl && !strcmp(t->name + nl - sl, ".rotary_emb.inv_freq"))
+			continue; /* a buffer older transformers saved; recomputed as HF does */
+		if (c->tie_embeddings && !strcmp(t->name, "lm_head.weight"))
+			continue; /* tied: Hugging Face uses the embedding, as here */
+		return ro_errf(err, errlen, -EINVAL,
+			       "%s: tensor %s is not part of the model config.json describes (%u "
+			       "layers, %u experts%s): refusing a checkpoint it does not match",
+			       ro_st_file(m->st, t), t->name, c->layers, c->experts,
+			       c->attn_bias ? ", attention biases" : "");
+	}
+	return 0;
+}
+
+#define MAX_THREADS 1024
+
 int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_model **ret,
 		  char *err, size_t errlen)
 {
@@ -385,13 +651,24 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 
 	if (!m)
 		return -ENOMEM;
+	ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+	threads = o && o->threads ? o->threads : (uint32_t)(ncpu > 0 ? ncpu : 1);
+	if (threads > MAX_THREADS) {
+		r = ro_errf(err, errlen, -EINVAL, "threads %u: at most %u", threads, MAX_THREADS);
+		goto fail;
+	}
 	r = parse_config(dir, &m->c, err, errlen);
 	if (r)
 		goto fail;
 	r = ro_st_open_dir(dir, &m->st, err, errlen);
 	if (r)
 		goto fail;
-	r = tensor(m, "model.embed_tokens.weight", m->c.vocab, m->c.hidden, &m->embed, err,
+	m->used = calloc(ro_st_count(m->st) + 1, sizeof(*m->used));
+	if (!m->used) {
+		r = -ENOMEM;
+		goto fail;
+	}
+	r = tensor(m, "model.embed_tokens.weight", 2, m->c.vocab, m->c.hidden, &m->embed, err,
 		   errlen);
 	if (r)
 		goto fail;
@@ -411,17 +688,19 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 	r = vec(m, "model.norm.weight", m->c.hidden, &m->final_norm, err, errlen);
 	if (r)
 		goto fail;
-	if (ro_st_find(m->st, "lm_head.weight") || !m->c.tie_embeddings)
-		r = mat(m, "lm_head.weight", m->c.vocab, m->c.hidden, &m->head, err, errlen);
-	else
-		r = mat(m, "model.embed_tokens.weight", m->c.vocab, m->c.hidden, &m->head, err,
-			errlen);
+	/* tie_word_embeddings: the head is the embedding, whatever lm_head.weight holds */
+	r = mat(m, m->c.tie_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
+		m->c.vocab, m->c.hidden, &m->head, err, errlen);
+	if (r)
+		goto fail;
+	r = check_all_used(m, err, errlen);
 	if (r)
 		goto fail;
 	ro_kernels_force_scalar(o && o->scalar);
-	ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-	threads = o && o->threads ? o->threads : (uint32_t)(ncpu > 0 ? ncpu : 1);
 	r = ro_pool_new(threads, &m->pool);
+	if (r)
+		goto fail;
+	r = check_finite(m, err, errlen);
 	if (r)
 		goto fail;
 	*ret = m;
@@ -450,6 +729,7 @@ struct ro_model *ro_model_free(struct ro_model *m)
 	free(m->ws);
 	free(m->ews);
 	ro_st_free(m->st);
+	free(m->used);
 	free(m);
 	return NULL;
 }
@@ -514,6 +794,11 @@ int ro_seq_new(struct ro_model *m, uint32_t max_len, struct ro_seq **ret)
 
 	if (!s)
 		return -ENOMEM;
+	/* positions 0 .. max_pos - 1, and one slot past them for the step that stops */
+	if ((uint64_t)max_len > (uint64_t)m->c.max_pos + 1) {
+		free(s);
+		return -E2BIG;
+	}
 	s->m = m;
 	s->max = max_len ? max_len : m->c.max_pos;
 	*ret = s;
@@ -863,14 +1148,21 @@ static void attend_one(void *arg, uint32_t i)
 	const float *V = s->v + (size_t)f->layer * s->cap * row + (size_t)kvh * hd;
 	float *out = f->att + (size_t)t * c->heads * hd + (size_t)hh * hd;
 	const float scale = (float)(1.0 / sqrt((double)hd));
+	uint32_t n = f->pos[t] + 1, p0 = 0;
 
+	/* sliding_window W: position p sees p - W + 1 .. p (Hugging Face's mask) */
+	if (c->sliding_window && n > c->sliding_window)
+		p0 = n - c->sliding_window;
+	K += (size_t)p0 * row;
+	V += (size_t)p0 * row;
+	n -= p0;
 #if defined(__x86_64__)
 	if (f->avx2) {
-		attend_avx2(q, K, V, row, f->pos[t] + 1, hd, scale, out);
+		attend_avx2(q, K, V, row, n, hd, scale, out);
 		return;
 	}
 #endif
-	attend_portable(q, K, V, row, f->pos[t] + 1, hd, scale, out);
+	attend_portable(q, K, V, row, n, hd, scale, out);
 }
 
 static void qk_rope_store(void *arg, uint32_t t)
@@ -880,8 +1172,18 @@ static void qk_rope_store(void *arg, uint32_t t)
 	const struct layer *L = &f->m->L[f->layer];
 	const uint32_t hd = c->head_dim, row = c->kv_heads * hd;
 	struct ro_seq *s = f->seq[t];
-	float *q = f->q + (size_t)t * c->heads * hd, *k = f->k + (size_t)t * row;
+	float *q = f->q + (size_t)t * c->heads * hd, *k = f->k + (size_t)t * row,
+	      *v = f->v + (size_t)t * row;
 	const float *cs = f->cs + (size_t)t * hd / 2, *sn = f->sn + (size_t)t * hd / 2;
+
+	if (L->bq) { /* nn.Linear's bias, before the norms and RoPE */
+		for (uint32_t i = 0; i < c->heads * hd; i++)
+			q[i] = q[i] + L->bq[i];
+		for (uint32_t i = 0; i < row; i++) {
+			k[i] = k[i] + L->bk[i];
+			v[i] = v[i] + L->bv[i];
+		}
+	}
 
 	for (uint32_t hh = 0; hh < c->heads; hh++) {
 		if (L->q_norm)
@@ -895,8 +1197,8 @@ static void qk_rope_store(void *arg, uint32_t t)
 	}
 	memcpy(s->k + (size_t)f->layer * s->cap * row + (size_t)f->pos[t] * row, k,
 	       row * sizeof(float));
-	memcpy(s->v + (size_t)f->layer * s->cap * row + (size_t)f->pos[t] * row,
-	       f->v + (size_t)t * row, row * sizeof(float));
+	memcpy(s->v + (size_t)f->layer * s->cap * row + (size_t)f->pos[t] * row, v,
+	       row * sizeof(float));
 }
 
 int ro_model_expert(struct ro_model *m, uint32_t layer, uint32_t e, const float *x, uint32_t n,
@@ -1250,6 +1552,10 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			if ((r = jobs_add(&J, &L->o, f.att, T, f.h, H, chunk_for(m, H, T, 1))))
 				goto out;
 			run_jobs(m, &J);
+			if (L->bo)
+				for (t = 0; t < T; t++)
+					for (uint32_t d = 0; d < H; d++)
+						f.h[(size_t)t * H + d] = f.h[(size_t)t * H + d] + L->bo[d];
 			for (size_t i = 0; i < (size_t)T * H; i++)
 				f.x[i] = f.x[i] + f.h[i];
 			for (t = 0; t < T; t++)

@@ -25,6 +25,8 @@ struct ro_model_config {
 	uint32_t sparse_step;		      /* decoder_sparse_step */
 	uint64_t dense_layers;		      /* bit i: layer i is dense (mlp_only_layers) */
 	bool norm_topk, tie_embeddings;
+	bool attn_bias;		 /* Qwen3-MoE attention_bias: q, k, v and o projections */
+	uint32_t sliding_window; /* Mixtral: attend to the last N positions; 0: all */
 	double rope_theta, rms_eps;
 	uint32_t max_pos;
 	char dtype[8]; /* of the weights: F32, BF16, F16 */
@@ -245,7 +247,8 @@ struct ro_sampling {
  * sample resumed from a prefix draws what it would have drawn uninterrupted. */
 uint64_t ro_sample_key(const char *unit_id);
 /* Pick a token from logits[vocab]; *ret_logprob is its log-probability under the
- * sampling distribution (softmax of logits / temperature; of logits when greedy). */
+ * sampling distribution (softmax of logits / temperature; of logits when greedy).
+ * Negative: -EDOM when a logit is NaN or infinite, -ENOMEM. */
 int32_t ro_sample(const float *logits, uint32_t vocab, const struct ro_sampling *s,
 		  uint64_t unit_key, uint32_t sample, uint32_t pos, float *ret_logprob);
 
@@ -261,6 +264,9 @@ struct ro_make_model_opts {
 	uint32_t shards;	/* > 1: model-0000N-of-0000M.safetensors + index */
 	double rope_theta;
 	bool norm_topk;
+	uint32_t sliding_window; /* Mixtral: "sliding_window" (0: null) */
+	bool attn_bias;		 /* Qwen3-MoE: "attention_bias" and the q/k/v/o biases */
+	bool tie_embeddings;	 /* "tie_word_embeddings": true (lm_head.weight still written) */
 };
 void ro_make_model_defaults(struct ro_make_model_opts *o);
 int ro_make_model(const struct ro_make_model_opts *o, const char *dir, char *err, size_t errlen);

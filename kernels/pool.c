@@ -75,7 +75,7 @@ int ro_pool_new(uint32_t threads, struct ro_pool **ret)
 		return -ENOMEM;
 	if (threads < 1)
 		threads = 1;
-	p->n = threads;
+	p->n = 1; /* counts the threads started: ro_pool_free joins exactly those */
 	(void)pthread_mutex_init(&p->mu, NULL);
 	(void)pthread_cond_init(&p->cv, NULL);
 	p->th = calloc(threads, sizeof(*p->th));
@@ -84,10 +84,9 @@ int ro_pool_new(uint32_t threads, struct ro_pool **ret)
 		return -ENOMEM;
 	}
 	for (uint32_t i = 1; i < threads; i++) {
-		if (pthread_create(&p->th[i], NULL, worker, p)) {
-			p->n = i;
+		if (pthread_create(&p->th[i], NULL, worker, p))
 			break;
-		}
+		p->n = i + 1;
 	}
 	*ret = p;
 	return 0;

@@ -3,6 +3,7 @@
  * uniform draw for (seed, unit, sample, position) is a pure function of those four, so a
  * sample resumed from a checkpointed prefix draws exactly what it would have drawn had it
  * never stopped, on any worker. */
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -106,14 +107,17 @@ int32_t ro_sample(const float *logits, uint32_t V, const struct ro_sampling *s, 
 	double mx = -INFINITY, Z = 0, *p;
 	int32_t tok = 0;
 
-	for (uint32_t i = 0; i < V; i++)
+	for (uint32_t i = 0; i < V; i++) {
+		if (!isfinite(logits[i]))
+			return -EDOM; /* no token and no logprob can come of it */
 		if (logits[i] > mx) {
 			mx = logits[i];
 			tok = (int32_t)i; /* greedy: the first of the largest */
 		}
+	}
 	p = malloc(V * sizeof(*p));
 	if (!p)
-		return -1;
+		return -ENOMEM;
 	for (uint32_t i = 0; i < V; i++) {
 		p[i] = exp(((double)logits[i] - mx) / temp);
 		Z += p[i];
@@ -142,7 +146,7 @@ int32_t ro_sample(const float *logits, uint32_t V, const struct ro_sampling *s, 
 
 			if (!c) {
 				free(p);
-				return -1;
+				return -ENOMEM;
 			}
 			if (k < V) {
 				n = top_k_select(p, V, k, c);

@@ -249,18 +249,21 @@ static float *reference(const char *sub, const int32_t *prompt, uint32_t n, uint
 	return l;
 }
 
-static void agree(const char *sub, enum ro_arch arch, const char *dtype, uint32_t shards,
-		  uint64_t dense, bool scalar)
+static const int32_t ref_prompt[] = {5, 17, 200, 3, 3, 99, 150, 42, 7, 255, 0, 64};
+#define N_REF_PROMPT (sizeof(ref_prompt) / sizeof(ref_prompt[0]))
+
+/* The model in sub against the numpy reference: every prompt position's logits, and a
+ * greedy continuation token for token. */
+static void agree_dir(const char *sub, const char *dtype, bool scalar)
 {
-	static const int32_t prompt[] = {5, 17, 200, 3, 3, 99, 150, 42, 7, 255, 0, 64};
-	const uint32_t n = sizeof(prompt) / sizeof(prompt[0]), G = 8;
+	const int32_t *prompt = ref_prompt;
+	const uint32_t n = N_REF_PROMPT, G = 8;
 	struct ro_model *m;
 	struct ro_seq *s;
 	float *ref, *got, maxerr = 0, maxabs = 0;
 	int32_t greedy[8], tok;
 	uint32_t V;
 
-	make(sub, arch, dtype, shards, dense);
 	m = load(sub, scalar);
 	V = ro_model_config(m)->vocab;
 	ref = reference(sub, prompt, n, V, greedy, G);
@@ -297,6 +300,13 @@ static void agree(const char *sub, enum ro_arch arch, const char *dtype, uint32_
 	ro_model_free(m);
 	free(ref);
 	free(got);
+}
+
+static void agree(const char *sub, enum ro_arch arch, const char *dtype, uint32_t shards,
+		  uint64_t dense, bool scalar)
+{
+	make(sub, arch, dtype, shards, dense);
+	agree_dir(sub, dtype, scalar);
 }
 
 Test(model, qwen3_f32_matches_reference)
@@ -974,17 +984,18 @@ static void corrupt_header(const char *sub, const char *header, long data_len)
 {
 	char p[256];
 	uint8_t le[8];
-	size_t hl = strlen(header);
+	size_t hl = strlen(header), pad = (8 - hl % 8) % 8; /* the data 8-byte aligned */
 	char *zeros = calloc(1, data_len > 0 ? (size_t)data_len : 1);
 	FILE *f;
 
 	(void)snprintf(p, sizeof(p), "%s/model.safetensors", path(sub));
 	for (int i = 0; i < 8; i++)
-		le[i] = (uint8_t)((uint64_t)hl >> (8 * i));
+		le[i] = (uint8_t)((uint64_t)(hl + pad) >> (8 * i));
 	f = fopen(p, "wb");
 	cr_assert_not_null(f);
 	fwrite(le, 1, 8, f);
 	fwrite(header, 1, hl, f);
+	fwrite("        ", 1, pad, f);
 	if (data_len > 0)
 		fwrite(zeros, 1, (size_t)data_len, f);
 	fclose(f);
@@ -1017,7 +1028,7 @@ Test(model, bad_model_files)
 		  "\"hidden_size\": 64, \"num_hidden_layers\": 3, \"num_attention_heads\": 4, "
 		  "\"num_key_value_heads\": 3, \"head_dim\": 16, \"num_experts_per_tok\": 2, "
 		  "\"num_experts\": 8, \"moe_intermediate_size\": 32}");
-	expect_refused("sizes", -EINVAL, "kv_heads 3");
+	expect_refused("sizes", -EINVAL, "num_key_value_heads: 3 does not divide");
 	/* missing tensor: config says 4 layers, the file has 3 */
 	make("missing", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
 	(void)snprintf(p, sizeof(p), "sed -i 's/\"num_hidden_layers\": 3/\"num_hidden_layers\": 4/' "
@@ -1052,7 +1063,7 @@ Test(model, bad_model_files)
 	/* header not JSON */
 	make("hjson", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
 	corrupt_header("hjson", "{\"a\": [1, 2", 0);
-	expect_refused("hjson", -EBADMSG, "not a JSON object");
+	expect_refused("hjson", -EBADMSG, "header: the JSON text ends early");
 	/* offsets that lie: past the data */
 	make("lie", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
 	corrupt_header("lie",
@@ -1075,7 +1086,7 @@ Test(model, bad_model_files)
 	make("lie4", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
 	corrupt_header("lie4",
 		       "{\"x\": {\"dtype\": \"F32\", \"shape\": [-4], \"data_offsets\": [0, 16]}}", 32);
-	expect_refused("lie4", -EBADMSG, "bad shape");
+	expect_refused("lie4", -EBADMSG, "shape[0] is not a size");
 	make("lie5", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
 	corrupt_header("lie5",
 		       "{\"x\": {\"dtype\": \"F32\", \"shape\": [1099511627776, 1099511627776], "
@@ -1105,4 +1116,511 @@ Test(model, bad_model_files)
 	write_str(path("escape/model.safetensors.index.json"),
 		  "{\"weight_map\": {\"x\": \"../../etc/passwd\"}}");
 	expect_refused("escape", -EBADMSG, "bad shard name");
+}
+
+/* ---- hostile checkpoints ------------------------------------------------------------------ *
+ * What a checkpoint written by someone else can hold: sizes that overflow, data that is not
+ * aligned, files that are FIFOs, keys of config.json this runtime must implement exactly as
+ * Hugging Face does (sliding_window, attention_bias, tie_word_embeddings, the classes'
+ * defaults) or refuse, tensors the config does not describe, NaN weights. Each generated
+ * directory is refused with a message naming the file and the key or tensor, or loaded and
+ * compared with the reference. */
+
+TestSuite(hostile, .init = mk_tmp, .fini = rm_tmp, .timeout = 120);
+
+#include <json-c/json.h>
+
+/* config.json of sub with key set to the JSON text value (NULL: removed). */
+static void set_config(const char *sub, const char *key, const char *value)
+{
+	char p[256];
+	struct json_object *o;
+
+	(void)snprintf(p, sizeof(p), "%s/config.json", path(sub));
+	o = json_object_from_file(p);
+	cr_assert_not_null(o, "%s", p);
+	if (value) {
+		struct json_object *v = json_tokener_parse(value);
+
+		cr_assert(v || !strcmp(value, "null"), "bad JSON in the test: %s", value);
+		json_object_object_add(o, key, v);
+	} else {
+		json_object_object_del(o, key);
+	}
+	cr_assert_eq(json_object_to_file_ext(p, o, JSON_C_TO_STRING_PRETTY), 0);
+	json_object_put(o);
+}
+
+/* model.safetensors of sub read whole: the header parsed, the data section kept. */
+struct st_image {
+	struct json_object *hdr;
+	uint8_t *data;
+	size_t data_len;
+};
+
+static struct st_image st_read(const char *sub)
+{
+	char p[256];
+	struct st_image im = {0};
+	FILE *f;
+	long size;
+	uint64_t hl = 0;
+	uint8_t le[8];
+	char *h;
+
+	(void)snprintf(p, sizeof(p), "%s/model.safetensors", path(sub));
+	f = fopen(p, "rb");
+	cr_assert_not_null(f);
+	cr_assert_eq(fseek(f, 0, SEEK_END), 0);
+	size = ftell(f);
+	rewind(f);
+	cr_assert_eq(fread(le, 1, 8, f), 8);
+	for (int i = 7; i >= 0; i--)
+		hl = hl << 8 | le[i];
+	h = calloc(1, hl + 1);
+	cr_assert_eq(fread(h, 1, hl, f), hl);
+	im.hdr = json_tokener_parse(h);
+	cr_assert_not_null(im.hdr);
+	im.data_len = (size_t)size - 8 - hl;
+	im.data = malloc(im.data_len + 1);
+	cr_assert_eq(fread(im.data, 1, im.data_len, f), im.data_len);
+	(void)fclose(f);
+	free(h);
+	return im;
+}
+
+/* ... and written back, the header padded to a multiple of 8 and then `extra` spaces more
+ * (which misaligns every element when extra is not a multiple of the element size). */
+static void st_write(const char *sub, struct st_image *im, size_t extra)
+{
+	char p[256];
+	const char *h = json_object_to_json_string_ext(im->hdr, JSON_C_TO_STRING_PLAIN);
+	size_t hl = strlen(h), pad = (8 - hl % 8) % 8 + extra;
+	uint8_t le[8];
+	FILE *f;
+
+	(void)snprintf(p, sizeof(p), "%s/model.safetensors", path(sub));
+	f = fopen(p, "wb");
+	cr_assert_not_null(f);
+	for (int i = 0; i < 8; i++)
+		le[i] = (uint8_t)((uint64_t)(hl + pad) >> (8 * i));
+	cr_assert_eq(fwrite(le, 1, 8, f), 8);
+	cr_assert_eq(fwrite(h, 1, hl, f), hl);
+	for (size_t i = 0; i < pad; i++)
+		cr_assert_eq(fputc(' ', f), ' ');
+	cr_assert_eq(fwrite(im->data, 1, im->data_len, f), im->data_len);
+	cr_assert_eq(fclose(f), 0);
+	json_object_put(im->hdr);
+	free(im->data);
+}
+
+static struct json_object *st_desc(struct st_image *im, const char *tensor)
+{
+	struct json_object *d;
+
+	cr_assert(json_object_object_get_ex(im->hdr, tensor, &d), "no tensor %s", tensor);
+	return d;
+}
+
+static uint64_t st_begin(struct st_image *im, const char *tensor)
+{
+	struct json_object *o;
+
+	cr_assert(json_object_object_get_ex(st_desc(im, tensor), "data_offsets", &o));
+	return (uint64_t)json_object_get_int64(json_object_array_get_idx(o, 0));
+}
+
+static void st_set(struct st_image *im, const char *tensor, const char *field, const char *json)
+{
+	json_object_object_add(st_desc(im, tensor), field, json_tokener_parse(json));
+}
+
+static void make_opts(const char *sub, const struct ro_make_model_opts *o)
+{
+	char err[256];
+
+	cr_assert_eq(ro_make_model(o, path(sub), err, sizeof(err)), 0, "%s", err);
+}
+
+static void small_opts(struct ro_make_model_opts *o, enum ro_arch arch, const char *dtype)
+{
+	ro_make_model_defaults(o);
+	o->arch = arch;
+	o->dtype = dtype;
+	o->layers = 2;
+	o->seed = 11;
+}
+
+/* Every prompt position's logits of the model in sub. */
+static float *all_logits(const char *sub)
+{
+	struct ro_model *m = load(sub, false);
+	const uint32_t V = ro_model_config(m)->vocab;
+	float *l = malloc((size_t)N_REF_PROMPT * V * sizeof(float));
+	struct ro_seq *s;
+	struct ro_fwd_item it;
+
+	cr_assert_eq(ro_seq_new(m, 64, &s), 0);
+	it = (struct ro_fwd_item){s, ref_prompt, N_REF_PROMPT, l, true};
+	cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+	ro_seq_free(s);
+	ro_model_free(m);
+	return l;
+}
+
+/* The largest difference between two models' logits, relative to the largest logit. */
+static float rel_diff(const char *a, const char *b, uint32_t V)
+{
+	float *x = all_logits(a), *y = all_logits(b), d = 0, mx = 0;
+
+	for (size_t i = 0; i < (size_t)N_REF_PROMPT * V; i++) {
+		d = fabsf(x[i] - y[i]) > d ? fabsf(x[i] - y[i]) : d;
+		mx = fabsf(x[i]) > mx ? fabsf(x[i]) : mx;
+	}
+	free(x);
+	free(y);
+	return d / mx;
+}
+
+Test(hostile, sizes_that_overflow_are_refused)
+{
+	/* heads x head_dim wrapped to 0 in 32 bits, and passed the q_proj shape check */
+	make("wrap", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	set_config("wrap", "num_attention_heads", "4194304");
+	set_config("wrap", "num_key_value_heads", "1");
+	set_config("wrap", "head_dim", "1024");
+	expect_refused("wrap", -EINVAL, "config.json: num_attention_heads: 4194304 is out of range");
+	make("hd", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	set_config("hd", "head_dim", "1048576");
+	expect_refused("hd", -EINVAL, "config.json: head_dim: 1048576 is out of range");
+	make("vocab", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	set_config("vocab", "vocab_size", "-3");
+	expect_refused("vocab", -EINVAL, "config.json: vocab_size: -3 is out of range");
+	make("odd", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	set_config("odd", "head_dim", "15");
+	expect_refused("odd", -EINVAL, "config.json: head_dim: 15 is odd");
+}
+
+Test(hostile, threads_out_of_range_are_refused)
+{
+	struct ro_model_opts mo = {.threads = 4294967295u};
+	struct ro_model *m = NULL;
+	char err[256] = "";
+
+	make("thr", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	cr_assert_eq(ro_model_load(path("thr"), &mo, &m, err, sizeof(err)), -EINVAL);
+	cr_assert_null(m);
+	cr_assert(strstr(err, "threads 4294967295: at most"), "%s", err);
+}
+
+Test(hostile, a_sequence_past_max_position_embeddings_is_refused)
+{
+	struct ro_model *m;
+	struct ro_seq *s = NULL;
+
+	make("maxpos", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	set_config("maxpos", "max_position_embeddings", "100");
+	m = load("maxpos", false);
+	cr_assert_eq(ro_seq_new(m, 4294967295u, &s), -E2BIG);
+	cr_assert_null(s);
+	cr_assert_eq(ro_seq_new(m, 102, &s), -E2BIG);
+	cr_assert_eq(ro_seq_new(m, 101, &s), 0);
+	ro_seq_free(s);
+	ro_model_free(m);
+}
+
+Test(hostile, shapes_are_checked_in_every_dimension)
+{
+	struct st_image im;
+
+	/* a 1-D weight given as 2-D (the same bytes) */
+	make("2d", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	im = st_read("2d");
+	st_set(&im, "model.norm.weight", "shape", "[32, 2]");
+	st_write("2d", &im, 0);
+	expect_refused("2d", -EINVAL,
+		       "model.safetensors: tensor model.norm.weight has shape [32, 2], want [64]");
+	/* 1-D against 1-D: no stray 0 */
+	make("1d", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	im = st_read("1d");
+	st_set(&im, "model.norm.weight", "dtype", "\"F32\"");
+	st_set(&im, "model.norm.weight", "shape", "[32]");
+	st_write("1d", &im, 0);
+	expect_refused("1d", -EINVAL, "tensor model.norm.weight has shape [32], want [64]");
+	/* 3-D shown whole */
+	make("3d", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	im = st_read("3d");
+	st_set(&im, "model.layers.0.self_attn.q_proj.weight", "shape", "[64, 8, 8]");
+	st_write("3d", &im, 0);
+	expect_refused("3d", -EINVAL, "has shape [64, 8, 8], want [64, 64]");
+	/* an o_proj that is 1-D where the config's sizes would have wanted 2-D */
+	make("o1d", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	im = st_read("o1d");
+	st_set(&im, "model.layers.1.self_attn.o_proj.weight", "shape", "[4096]");
+	st_write("o1d", &im, 0);
+	expect_refused("o1d", -EINVAL, "o_proj.weight has shape [4096], want [64, 64]");
+}
+
+Test(hostile, misaligned_data_is_refused)
+{
+	struct st_image im;
+
+	/* F32 elements at an offset = 2 mod 4: the header length moves every tensor */
+	make("mis32", RO_ARCH_QWEN3_MOE, "F32", 1, 0);
+	im = st_read("mis32");
+	st_write("mis32", &im, 2);
+	expect_refused("mis32", -EBADMSG, "is not 4-byte aligned");
+	/* BF16 at an odd offset */
+	make("mis16", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	im = st_read("mis16");
+	st_write("mis16", &im, 1);
+	expect_refused("mis16", -EBADMSG, "is not 2-byte aligned");
+	/* control: the same rewrite without extra bytes loads */
+	make("ok", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	im = st_read("ok");
+	st_write("ok", &im, 0);
+	ro_model_free(load("ok", false));
+}
+
+Test(hostile, overlapping_or_holed_offsets_are_refused)
+{
+	struct st_image im;
+	uint64_t b;
+	char v[64];
+
+	make("overlap", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	im = st_read("overlap");
+	/* model.norm.weight re-pointed at the first 128 bytes of the embedding */
+	b = st_begin(&im, "model.embed_tokens.weight");
+	(void)snprintf(v, sizeof(v), "[%llu, %llu]", (unsigned long long)b,
+		       (unsigned long long)b + 128);
+	st_set(&im, "model.norm.weight", "data_offsets", v);
+	st_write("overlap", &im, 0);
+	expect_refused("overlap", -EBADMSG, "overlap");
+	/* trailing bytes after the last tensor */
+	make("trail", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	im = st_read("trail");
+	im.data = realloc(im.data, im.data_len + 64);
+	memset(im.data + im.data_len, 0, 64);
+	im.data_len += 64;
+	st_write("trail", &im, 0);
+	expect_refused("trail", -EBADMSG, "trailing bytes");
+}
+
+Test(hostile, fifos_do_not_hang_the_loader)
+{
+	make("fifo1", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	cr_assert_eq(unlink(path("fifo1/model.safetensors")), 0);
+	cr_assert_eq(mkfifo(path("fifo1/model.safetensors"), 0600), 0);
+	expect_refused("fifo1", -EBADMSG, "model.safetensors: not a regular file");
+	make("fifo2", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	cr_assert_eq(unlink(path("fifo2/config.json")), 0);
+	cr_assert_eq(mkfifo(path("fifo2/config.json"), 0600), 0);
+	expect_refused("fifo2", -EINVAL, "config.json: not a regular file");
+	make("fifo3", RO_ARCH_QWEN3_MOE, "BF16", 2, 0);
+	cr_assert_eq(unlink(path("fifo3/model.safetensors.index.json")), 0);
+	cr_assert_eq(mkfifo(path("fifo3/model.safetensors.index.json"), 0600), 0);
+	expect_refused("fifo3", -EINVAL, "model.safetensors.index.json: not a regular file");
+}
+
+Test(hostile, mixtral_sliding_window_matches_reference)
+{
+	struct ro_make_model_opts o;
+
+	small_opts(&o, RO_ARCH_MIXTRAL, "F32");
+	o.sliding_window = 4; /* shorter than the 12-token prompt and its greedy continuation */
+	make_opts("swin", &o);
+	agree_dir("swin", "F32", false);
+	o.sliding_window = 0;
+	make_opts("full", &o);
+	/* the window changes the answer: the test can tell an ignored window */
+	cr_expect_gt(rel_diff("swin", "full", o.vocab), 1e-2);
+	/* a window as long as the sequence is full attention, bit for bit */
+	o.sliding_window = 64;
+	make_opts("swin64", &o);
+	cr_expect_eq(rel_diff("swin64", "full", o.vocab), 0);
+	set_config("swin", "sliding_window", "0");
+	expect_refused("swin", -EINVAL, "config.json: sliding_window: 0 is out of range");
+}
+
+Test(hostile, qwen3_use_sliding_window_is_refused)
+{
+	make("q3swin", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	set_config("q3swin", "sliding_window", "4");
+	ro_model_free(load("q3swin", false)); /* without use_sliding_window: Hugging Face ignores it */
+	set_config("q3swin", "use_sliding_window", "true");
+	expect_refused("q3swin", -EINVAL, "config.json: use_sliding_window");
+}
+
+Test(hostile, qwen3_attention_bias_matches_reference)
+{
+	struct ro_make_model_opts o;
+
+	small_opts(&o, RO_ARCH_QWEN3_MOE, "F32");
+	o.attn_bias = true;
+	make_opts("bias", &o);
+	agree_dir("bias", "F32", false);
+	/* the same weights without the biases answer differently */
+	set_config("bias", "attention_bias", "false");
+	expect_refused("bias", -EINVAL, "_proj.bias is not part of the model");
+	set_config("bias", "attention_bias", "true");
+	o.attn_bias = false;
+	make_opts("nobias", &o);
+	cr_expect_gt(rel_diff("bias", "nobias", o.vocab), 1e-2);
+	/* attention_bias without the tensors */
+	set_config("nobias", "attention_bias", "true");
+	expect_refused("nobias", -ENOENT, "tensor model.layers.0.self_attn.q_proj.bias is missing");
+}
+
+Test(hostile, tie_word_embeddings_uses_the_embedding)
+{
+	struct ro_make_model_opts o;
+
+	small_opts(&o, RO_ARCH_QWEN3_MOE, "F32");
+	o.tie_embeddings = true; /* and an lm_head.weight in the file, as Hugging Face ignores */
+	make_opts("tied", &o);
+	agree_dir("tied", "F32", false);
+	o.tie_embeddings = false;
+	make_opts("untied", &o);
+	cr_expect_gt(rel_diff("tied", "untied", o.vocab), 1e-2);
+}
+
+Test(hostile, class_defaults_are_hugging_faces)
+{
+	struct ro_model *m;
+
+	/* MixtralConfig's rms_norm_eps is 1e-5; Qwen3MoeConfig's 1e-6 */
+	make("mxeps", RO_ARCH_MIXTRAL, "F32", 1, 0);
+	set_config("mxeps", "rms_norm_eps", NULL);
+	set_config("mxeps", "max_position_embeddings", NULL);
+	m = load("mxeps", false);
+	cr_expect_eq(ro_model_config(m)->rms_eps, 1e-5);
+	cr_expect_eq(ro_model_config(m)->max_pos, 131072);
+	ro_model_free(m);
+	agree_dir("mxeps", "F32", false);
+	make("q3eps", RO_ARCH_QWEN3_MOE, "F32", 1, 0);
+	set_config("q3eps", "rms_norm_eps", NULL);
+	m = load("q3eps", false);
+	cr_expect_eq(ro_model_config(m)->rms_eps, 1e-6);
+	ro_model_free(m);
+	/* num_key_value_heads: absent is the class default (Qwen3-MoE 4), null is the heads */
+	make("kv", RO_ARCH_QWEN3_MOE, "F32", 1, 0); /* 4 heads, 2 kv heads */
+	set_config("kv", "num_key_value_heads", NULL);
+	expect_refused("kv", -EINVAL, "k_proj.weight has shape [32, 64], want [64, 64]");
+	set_config("kv", "num_key_value_heads", "null");
+	expect_refused("kv", -EINVAL, "k_proj.weight has shape [32, 64], want [64, 64]");
+}
+
+Test(hostile, what_the_runtime_does_not_implement_is_refused)
+{
+	static const struct {
+		const char *key, *value, *mention;
+	} cases[] = {
+	    {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2.0}",
+	     "config.json: rope_scaling: RoPE scaling \"linear\" is not supported"},
+	    {"rope_scaling", "{\"rope_type\": \"yarn\", \"factor\": 4.0}",
+	     "config.json: rope_scaling: RoPE scaling \"yarn\""},
+	    {"rope_parameters", "{\"rope_type\": \"dynamic\"}", "config.json: rope_parameters"},
+	    {"hidden_act", "\"gelu\"", "config.json: hidden_act: gelu is not supported"},
+	    {"decoder_sparse_step", "0", "config.json: decoder_sparse_step: 0 is out of range"},
+	    {"max_position_embeddings", "0", "config.json: max_position_embeddings: 0 is out of range"},
+	    {"model_type", "\"deepseek_v3\"", "config.json: model_type: deepseek_v3 does not match"},
+	    {"mlp_only_layers", "[\"x\"]", "config.json: mlp_only_layers: entry 0"},
+	    {"mlp_only_layers", "[7]", "config.json: mlp_only_layers: layer 7 is not below"},
+	    {"quantization_config", "{\"quant_method\": \"fp8\"}", "config.json: quantization_config"},
+	    {"layer_types", "[\"sliding_attention\", \"full_attention\"]", "config.json: layer_types"},
+	    {"tie_word_embeddings", "1", "config.json: tie_word_embeddings: 1 is not true or false"},
+	    {"rms_norm_eps", "-1", "config.json: rms_norm_eps"},
+	};
+	char sub[32];
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		(void)snprintf(sub, sizeof(sub), "ni%zu", i);
+		make(sub, RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+		set_config(sub, cases[i].key, cases[i].value);
+		expect_refused(sub, -EINVAL, cases[i].mention);
+	}
+	/* rope_scaling null and rope_type default load */
+	make("ropedef", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	set_config("ropedef", "rope_scaling", "{\"rope_type\": \"default\"}");
+	ro_model_free(load("ropedef", false));
+}
+
+Test(hostile, tensors_the_config_does_not_describe_are_refused)
+{
+	/* config: 2 layers, checkpoint: 3 */
+	make("layers", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	set_config("layers", "num_hidden_layers", "2");
+	expect_refused("layers", -EINVAL,
+		       "model.safetensors: tensor model.layers.2.input_layernorm.weight is not part "
+		       "of the model");
+	/* config: 7 experts, checkpoint: 8 (the router is checked first, by shape) */
+	make("experts", RO_ARCH_MIXTRAL, "BF16", 1, 0);
+	set_config("experts", "num_local_experts", "7");
+	expect_refused("experts", -EINVAL, "gate.weight has shape [8, 64], want [7, 64]");
+}
+
+static void poke16(const char *sub, const char *tensor, size_t idx, uint16_t bits)
+{
+	struct st_image im = st_read(sub);
+	const uint64_t b = st_begin(&im, tensor);
+
+	memcpy(im.data + b + 2 * idx, &bits, 2);
+	st_write(sub, &im, 0);
+}
+
+Test(hostile, non_finite_weights_are_refused)
+{
+	make("nan", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	poke16("nan", "model.layers.1.mlp.experts.3.down_proj.weight", 17, 0x7fc0);
+	expect_refused("nan", -EINVAL,
+		       "model.safetensors: tensor model.layers.1.mlp.experts.3.down_proj.weight: "
+		       "element 17 is NaN");
+	make("inf", RO_ARCH_MIXTRAL, "BF16", 1, 0);
+	poke16("inf", "model.embed_tokens.weight", 5, 0xff80);
+	expect_refused("inf", -EINVAL, "model.embed_tokens.weight: element 5 is infinite");
+}
+
+Test(hostile, the_sampler_refuses_non_finite_logits)
+{
+	float l[8] = {0, 1, 2, NAN, 4, 5, 6, 7}, lp = 0;
+	struct ro_sampling greedy = {0}, hot = {.temperature = 1.0, .top_p = 1.0};
+
+	cr_expect_eq(ro_sample(l, 8, &greedy, 1, 0, 0, &lp), -EDOM);
+	cr_expect_eq(ro_sample(l, 8, &hot, 1, 0, 0, &lp), -EDOM);
+	l[3] = INFINITY;
+	cr_expect_eq(ro_sample(l, 8, &hot, 1, 0, 0, &lp), -EDOM);
+	l[3] = 3;
+	cr_expect_eq(ro_sample(l, 8, &greedy, 1, 0, 0, &lp), 7);
+}
+
+Test(hostile, messages_name_what_is_wrong)
+{
+	struct st_image im;
+
+	/* a header that is JSON but not an object, and one cut short */
+	make("arr", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	corrupt_header("arr", "[1, 2]", 0);
+	expect_refused("arr", -EBADMSG, "model.safetensors: header: a JSON array, not an object");
+	make("cut", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	corrupt_header("cut", "{\"x\": {\"dtype\": ", 0);
+	expect_refused("cut", -EBADMSG, "model.safetensors: header: the JSON text ends early");
+	make("cfgarr", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	write_str(path("cfgarr/config.json"), "[]");
+	expect_refused("cfgarr", -EBADMSG, "config.json: a JSON array, not an object");
+	/* a bad shard name is reported as itself, not against the shard before it */
+	make("badshard", RO_ARCH_QWEN3_MOE, "BF16", 2, 0);
+	write_str(path("badshard/model.safetensors.index.json"),
+		  "{\"weight_map\": {\"model.norm.weight\": \"model-00001-of-00002.safetensors\", "
+		  "\"lm_head.weight\": \"../x.safetensors\"}}");
+	expect_refused("badshard", -EBADMSG,
+		       "weight_map: tensor lm_head.weight: bad shard name \"../x.safetensors\"");
+	/* the index says one shard, the tensor is in the other */
+	make("wrongshard", RO_ARCH_QWEN3_MOE, "BF16", 2, 0);
+	write_str(path("wrongshard/model.safetensors.index.json"),
+		  "{\"weight_map\": {\"model.embed_tokens.weight\": "
+		  "\"model-00002-of-00002.safetensors\", \"lm_head.weight\": "
+		  "\"model-00001-of-00002.safetensors\"}}");
+	expect_refused("wrongshard", -EBADMSG, "weight_map puts");
+	(void)im;
 }

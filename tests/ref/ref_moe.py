@@ -86,9 +86,15 @@ def forward(cfg, w, ids):
     q3 = arch == "Qwen3MoeForCausalLM"
     H = cfg["hidden_size"]
     nh = cfg["num_attention_heads"]
-    nkv = cfg.get("num_key_value_heads") or nh
+    # the config classes' defaults: absent is 4 (Qwen3MoeConfig) or 8 (MixtralConfig), null
+    # is num_attention_heads
+    nkv = cfg.get("num_key_value_heads", 4 if q3 else 8) or nh
     hd = cfg.get("head_dim") or H // nh
-    eps = cfg.get("rms_norm_eps", 1e-6)
+    eps = cfg.get("rms_norm_eps", 1e-6 if q3 else 1e-5)
+    bias = q3 and cfg.get("attention_bias", False)
+    # masking_utils.sliding_window_overlay: kv_idx > q_idx - sliding_window (Mixtral; Qwen3
+    # only with use_sliding_window)
+    window = cfg.get("sliding_window") if (not q3 or cfg.get("use_sliding_window")) else None
     theta = cfg.get("rope_theta", 10000.0 if q3 else 1e6)
     k_top = cfg["num_experts_per_tok"]
     E = cfg["num_experts"] if q3 else cfg["num_local_experts"]
@@ -99,12 +105,18 @@ def forward(cfg, w, ids):
     pos = np.arange(T)
     x = w["model.embed_tokens.weight"][ids]
     mask = np.triu(np.full((T, T), -np.inf), 1)
+    if window:
+        qi, ki = np.arange(T)[:, None], np.arange(T)[None, :]
+        mask[ki <= qi - window] = -np.inf
     for l in range(cfg["num_hidden_layers"]):
         p = "model.layers.%d." % l
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd).transpose(1, 0, 2)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd).transpose(1, 0, 2)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd).transpose(1, 0, 2)
+        def lin(name, inp):  # nn.Linear(bias=attention_bias)
+            y = inp @ w[p + name + ".weight"].T
+            return y + w[p + name + ".bias"] if bias else y
+        q = lin("self_attn.q_proj", h).reshape(T, nh, hd).transpose(1, 0, 2)
+        k = lin("self_attn.k_proj", h).reshape(T, nkv, hd).transpose(1, 0, 2)
+        v = lin("self_attn.v_proj", h).reshape(T, nkv, hd).transpose(1, 0, 2)
         if q3:  # Qwen3: RMSNorm over head_dim of q and k, before RoPE
             q = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
             k = rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
@@ -117,7 +129,7 @@ def forward(cfg, w, ids):
         s = np.exp(s - s.max(-1, keepdims=True))
         s = s / s.sum(-1, keepdims=True)
         a = (s @ v).transpose(1, 0, 2).reshape(T, nh * hd)
-        x = x + a @ w[p + "self_attn.o_proj.weight"].T
+        x = x + lin("self_attn.o_proj", a)
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
         dense = q3 and (l in mlp_only or not (E > 0 and (l + 1) % step == 0))
         if dense:
@@ -145,8 +157,9 @@ def forward(cfg, w, ids):
                     y[t] += wt * out
         x = x + y
     x = rms_norm(x, w["model.norm.weight"], eps)
+    # tie_word_embeddings: the head is the embedding (PreTrainedModel.tie_weights)
     head = w.get("lm_head.weight")
-    if head is None:
+    if head is None or cfg.get("tie_word_embeddings", False):
         head = w["model.embed_tokens.weight"]
     return x @ head.T
 
