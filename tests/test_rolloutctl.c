@@ -53,13 +53,16 @@ static void slurp(int fd, char *buf, size_t cap)
 	buf[off] = '\0';
 }
 
+/* the commands that take no queue options (make-model, generate, imds) go alone */
+static bool bare;
+
 /* rolloutctl ARGS... with --redis and --queue from the fixture, stdin from file (or none) */
 static struct run *ctl(const char *stdin_file, ...)
 {
 	static struct run r;
 	const char *argv[32] = {getenv("RO_ROLLOUTCTL"), "--redis", ro_test_redis_url(), "--queue",
 				Q};
-	int argc = 5, out[2], err[2];
+	int argc = bare ? 1 : 5, out[2], err[2];
 	va_list ap;
 	pid_t pid;
 	char of[128], ef[128];
@@ -69,6 +72,7 @@ static struct run *ctl(const char *stdin_file, ...)
 	for (const char *a; (a = va_arg(ap, const char *));)
 		argv[argc++] = a;
 	va_end(ap);
+	argv[argc] = NULL;
 	(void)snprintf(of, sizeof(of), "%s/out", dir);
 	(void)snprintf(ef, sizeof(ef), "%s/err", dir);
 	pid = fork();
@@ -288,4 +292,52 @@ Test(ctl, reap_dead_list_retry_purge_samples)
 	cr_assert_eq(r->status, 0);
 	cr_assert(strstr(r->out, "purged 0"), "%s", r->out);
 	ro_queue_free(q);
+}
+
+/* generate with values no model can serve, and a checkpoint with a NaN weight: a clear
+ * refusal, never a crash, a wrapped buffer size or "logprobs":[nan] */
+Test(ctl, generate_refuses_hostile_flags_and_models)
+{
+	char model[128], cmd[1024];
+	struct run *r;
+
+	bare = true;
+	(void)snprintf(model, sizeof(model), "%s/m", dir);
+	r = ctl(NULL, "make-model", model, NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	r = ctl(NULL, "generate", "--model", model, "--prompt", "1,2,3", "--max-new-tokens",
+		"4294967295", NULL);
+	cr_expect_eq(r->status, 2, "%s", r->err);
+	cr_expect(strstr(r->err, "--max-new-tokens 4294967295") &&
+		      strstr(r->err, "max_position_embeddings (32768)"),
+		  "%s", r->err);
+	r = ctl(NULL, "generate", "--model", model, "--prompt", "1,2,3", "--max-new-tokens",
+		"4294967294", NULL);
+	cr_expect_eq(r->status, 2, "%s", r->err);
+	cr_expect(strstr(r->err, "max_position_embeddings"), "%s", r->err);
+	r = ctl(NULL, "generate", "--model", model, "--prompt", "1,2,3", "--threads", "4294967295",
+		NULL);
+	cr_expect_eq(r->status, 1, "%s", r->err);
+	cr_expect(strstr(r->err, "threads 4294967295: at most"), "%s", r->err);
+	/* the model still serves sane values */
+	r = ctl(NULL, "generate", "--model", model, "--prompt", "1,2,3", "--max-new-tokens", "4",
+		NULL);
+	cr_expect_eq(r->status, 0, "%s", r->err);
+	cr_expect(strstr(r->out, "\"logprobs\":[") && !strstr(r->out, "nan"), "%s", r->out);
+	/* a NaN in one expert's weights: exit 1 naming the file, the tensor and the element */
+	(void)snprintf(cmd, sizeof(cmd),
+		       "python3 -c 'import json,struct,sys; f=open(sys.argv[1],\"r+b\"); "
+		       "n=struct.unpack(\"<Q\",f.read(8))[0]; h=json.loads(f.read(n)); "
+		       "b=h[sys.argv[2]][\"data_offsets\"][0]; f.seek(8+n+b+6); "
+		       "f.write(bytes([0xc0,0x7f]))' %s/model.safetensors "
+		       "model.layers.0.mlp.experts.1.up_proj.weight",
+		       model);
+	cr_assert_eq(system(cmd), 0, "%s", cmd);
+	r = ctl(NULL, "generate", "--model", model, "--prompt", "1,2,3", "--temperature", "1",
+		NULL);
+	cr_expect_eq(r->status, 1, "%s", r->err);
+	cr_expect(strstr(r->err, "model.safetensors: tensor "
+				 "model.layers.0.mlp.experts.1.up_proj.weight: element 3 is NaN"),
+		  "%s", r->err);
+	cr_expect(!strstr(r->out, "nan"), "%s", r->out);
 }
