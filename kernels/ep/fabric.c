@@ -39,10 +39,9 @@ struct tx_ctx {
 	int next_free;
 };
 
-_Static_assert(sizeof(struct ro_fab_card) ==
-		   offsetof(struct ro_fab_card, mac) + RO_FAB_MAC_LEN &&
-	       offsetof(struct ro_fab_card, mac) ==
-		   offsetof(struct ro_fab_card, host) + sizeof(((struct ro_fab_card *)0)->host),
+_Static_assert(sizeof(struct ro_fab_card) == offsetof(struct ro_fab_card, mac) + RO_FAB_MAC_LEN &&
+		   offsetof(struct ro_fab_card, mac) ==
+		       offsetof(struct ro_fab_card, host) + sizeof(((struct ro_fab_card *)0)->host),
 	       "the card has no padding: every byte before mac is signed and defined");
 _Static_assert(sizeof(struct ro_fab_card) <= RO_EP_CARD_MAX, "a card fits RO_EP_CARD_MAX");
 
@@ -200,8 +199,8 @@ uint64_t ro_fab_group_tag(const char *group)
 	return tag;
 }
 
-void ro_fab_region_name(char *buf, size_t len, uint32_t rank, uint32_t world,
-			uint64_t group_tag, uint64_t nonce)
+void ro_fab_region_name(char *buf, size_t len, uint32_t rank, uint32_t world, uint64_t group_tag,
+			uint64_t nonce)
 {
 	(void)snprintf(buf, len, "ro-ep-%u-of-%u-%016llx-%016llx", rank, world,
 		       (unsigned long long)group_tag, (unsigned long long)nonce);

@@ -63,8 +63,8 @@ int ro_fab_card_check(const void *buf, size_t len, const uint8_t *secret, size_t
 /* Set flags and mac of a card in place (tests forge cards with it). */
 int ro_fab_card_sign(struct ro_fab_card *c, const uint8_t *secret, size_t secret_len);
 /* The memfd name the region of (rank, world, group_tag, nonce) carries. */
-void ro_fab_region_name(char *buf, size_t len, uint32_t rank, uint32_t world,
-			uint64_t group_tag, uint64_t nonce);
+void ro_fab_region_name(char *buf, size_t len, uint32_t rank, uint32_t world, uint64_t group_tag,
+			uint64_t nonce);
 uint64_t ro_fab_group_tag(const char *group);
 
 /* Who this endpoint is: its rank of the group (named by group, any string) and the
