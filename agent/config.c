@@ -160,6 +160,11 @@ static const struct setting table[] = {
      "sum per token and rank (fewer bytes, not bitwise)"},
     {"ep-direct", T_BOOL, F(ep_direct), "true", 0, 0, NULL,
      "shm: ranks of one host store into each other's memory, libfabric only signals"},
+    {"ep-secret", T_STR, F(ep_secret), "", 0, 0, NULL,
+     "EP group secret: every rank's card in Redis is signed with it (HMAC-SHA256); prefer "
+     "ROLLOUTD_EP_SECRET or the file"},
+    {"ep-secret-file", T_STR, F(ep_secret_file), "", 0, 0, NULL,
+     "file whose first line is the EP group secret (beats ep-secret; same on every rank)"},
 };
 #undef F
 
@@ -338,7 +343,8 @@ void ro_config_print(const struct ro_config *c, FILE *f)
 			else
 				(void)snprintf(red, sizeof(red), "%s",
 					       *v && (p == (const void *)&c->redis_password ||
-						      p == (const void *)&c->redis_sentinel_password)
+						      p == (const void *)&c->redis_sentinel_password ||
+						      p == (const void *)&c->ep_secret)
 						   ? "***"
 						   : v);
 			(void)fprintf(f, "%s = %s\n", table[i].name, red);
@@ -374,16 +380,16 @@ void ro_config_clear(struct ro_config *c)
 	c->config_file = NULL;
 }
 
-/* The first line of redis-password-file becomes redis-password. */
-static int read_password(struct ro_config *c, FILE *err)
+/* The first line of a secret's file (redis-password-file, ep-secret-file) becomes the
+ * secret (redis-password, ep-secret). */
+static int read_secret(const char *setting, const char *path, char **ret, FILE *err)
 {
-	FILE *f = fopen(c->redis_password_file, "r");
+	FILE *f = fopen(path, "r");
 	char line[4096] = "";
 	size_t n;
 
 	if (!f) {
-		(void)fprintf(err, "rolloutd: redis-password-file %s: %s\n", c->redis_password_file,
-			      strerror(errno));
+		(void)fprintf(err, "rolloutd: %s %s: %s\n", setting, path, strerror(errno));
 		return -EINVAL;
 	}
 	if (!fgets(line, sizeof(line), f))
@@ -392,14 +398,13 @@ static int read_password(struct ro_config *c, FILE *err)
 	n = strcspn(line, "\r\n");
 	line[n] = '\0';
 	if (!n) {
-		(void)fprintf(err, "rolloutd: redis-password-file %s: empty\n",
-			      c->redis_password_file);
+		(void)fprintf(err, "rolloutd: %s %s: empty\n", setting, path);
 		return -EINVAL;
 	}
-	free(c->redis_password);
-	c->redis_password = strdup(line);
+	free(*ret);
+	*ret = strdup(line);
 	explicit_bzero(line, sizeof(line));
-	return c->redis_password ? 0 : -ENOMEM;
+	return *ret ? 0 : -ENOMEM;
 }
 
 int ro_config_load(struct ro_config *c, int argc, char **argv, FILE *out, FILE *err)
@@ -485,7 +490,10 @@ int ro_config_load(struct ro_config *c, int argc, char **argv, FILE *out, FILE *
 		r = set(c, st, v, "command line", err);
 	}
 	if (!r && c->redis_password_file && *c->redis_password_file)
-		r = read_password(c, err);
+		r = read_secret("redis-password-file", c->redis_password_file, &c->redis_password,
+				err);
+	if (!r && c->ep_secret_file && *c->ep_secret_file)
+		r = read_secret("ep-secret-file", c->ep_secret_file, &c->ep_secret, err);
 	if (r)
 		return r;
 	if (print) {

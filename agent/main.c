@@ -261,6 +261,21 @@ static int ep_setup(struct ro_agent *a)
 	o.timeout_ms = a->cfg.ep_timeout_ms;
 	o.fabric_only = !a->cfg.ep_direct;
 	o.combine_sum = a->cfg.ep_combine == 1;
+	o.group = a->cfg.ep_group;
+	if (a->cfg.ep_secret && *a->cfg.ep_secret) {
+		o.secret = (const uint8_t *)a->cfg.ep_secret;
+		o.secret_len = strlen(a->cfg.ep_secret);
+		if (o.secret_len < 16)
+			ro_log(LOG_WARNING,
+			       "expert parallelism: the EP secret has %zu bytes; use "
+			       "16 or more random ones (openssl rand -hex 32)",
+			       o.secret_len);
+	} else {
+		ro_log(LOG_WARNING,
+		       "expert parallelism: rank cards in Redis are not authenticated "
+		       "(whoever can write Redis can redirect this rank's traffic); set "
+		       "ep-secret-file, the same on every rank");
+	}
 	if (strcmp(a->cfg.fabric_provider, "auto")) {
 		r = ro_ep_new(&o, &a->ep, err, sizeof(err));
 	} else {
@@ -295,6 +310,9 @@ static int ep_setup(struct ro_agent *a)
 	r = ro_ep_connect(a->ep, (const void *const *)cards, lens);
 	for (uint32_t i = 0; i < o.world; i++)
 		free(cards[i]);
+	if (r == -EPERM)
+		return ro_log_errno(r, "expert parallelism: group %s refused: %s", a->cfg.ep_group,
+				    ro_ep_errmsg(a->ep));
 	if (r)
 		return ro_log_errno(r, "expert parallelism: %s", ro_ep_errmsg(a->ep));
 	ro_ep_attach(a->ep, a->m);

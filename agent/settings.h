@@ -40,7 +40,8 @@ struct ro_config {
 	uint32_t ep_mode;		       /* enum ro_ep_mode */
 	uint32_t ep_dtype, ep_combine_dtype; /* enum ro_ep_dtype */
 	bool ep_direct;
-	uint32_t ep_combine; /* 0 exact, 1 sum */
+	uint32_t ep_combine;		  /* 0 exact, 1 sum */
+	char *ep_secret, *ep_secret_file; /* signs the EP cards (HMAC-SHA256) */
 };
 
 /* Parse argv/environment/file into c. Returns 0, 1 after --help or --print-config was

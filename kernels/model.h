@@ -150,6 +150,14 @@ struct ro_ep_opts {
 	/* With shm, ranks of one host store rows and results straight into each other's
 	 * regions and the fabric only signals; fabric_only sends every byte through it. */
 	bool fabric_only;
+	/* The group's id (any string, e.g. the ep-group setting): a rank refuses a card of
+	 * another group, and a peer's region is mapped only when its memfd is named for it. */
+	const char *group;
+	/* The group secret (secret_len bytes, copied): every card is signed with
+	 * HMAC-SHA256 under it, and a card that is not refuses the connect (-EPERM). NULL:
+	 * cards go unsigned (and a signed one is refused). */
+	const uint8_t *secret;
+	size_t secret_len;
 };
 void ro_ep_opts_default(struct ro_ep_opts *o);
 

@@ -2,21 +2,25 @@
  * (bound to lo) and shm, rendezvous through a real redis-server. Random, skewed, one-rank
  * and empty routings for W = 2, 3, 4 in both modes, received rows and returned outputs
  * checked exactly; the EP forward bitwise equal to the single-rank forward; a dead rank
- * named by the others within the timeout. */
+ * named by the others within the timeout; forged and badly signed rendezvous cards
+ * refused without a byte written where they point. */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "kernels/ep/internal.h" /* the card, to forge one */
 #include "kernels/model.h"
 #include "queue/queue.h"
 #include "tests/bench/ep_routing.h"
@@ -28,6 +32,7 @@
 #define E 32
 #define CAP 96
 #define LL 24
+#define SECRET "test-ep-secret-0123456789abcdef"
 
 static void setup(void)
 {
@@ -37,6 +42,16 @@ static void setup(void)
 
 TestSuite(ep, .init = setup, .timeout = 240);
 
+/* What rank 0 makes of rank 1's card before it connects (hostile_connect). */
+enum forge {
+	F_NONE,
+	F_FILE,		  /* fd: an ordinary file, open in another process (the test's) */
+	F_MEMFD_SIZE,	  /* fd: a sealed memfd of the right name, the wrong size */
+	F_MEMFD_UNSEALED, /* fd: a memfd of the right name and size, not sealed */
+	F_MEMFD_NAME,	  /* fd: a sealed memfd of the right size, another name */
+	F_TAMPER,	  /* one byte of the card changed, the signature left as it was */
+};
+
 struct group {
 	const char *provider;
 	uint32_t world;
@@ -45,7 +60,20 @@ struct group {
 	uint32_t timeout_ms;
 	bool sum;	  /* combine_sum */
 	bool fabric_only; /* shm without the direct stores */
+	const char *secret;  /* every rank's EP secret (NULL: unsigned cards) */
+	const char *secret0; /* rank 0's, when it differs ("": none) */
+	enum forge forge;
+	int file_fd;	     /* F_FILE: the test's file, open in the test process */
+	const char *want[2]; /* per rank: connect fails with -EPERM saying this */
+	const char *why;     /* and rank 0's message also says this */
 };
+
+static const char *secret_of(const struct group *g, uint32_t rank)
+{
+	const char *s = rank == 0 && g->secret0 ? g->secret0 : g->secret;
+
+	return s && *s ? s : NULL;
+}
 
 /* In a child: print why and exit 1. */
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
@@ -60,17 +88,18 @@ static void die(const char *fmt, ...)
 	_exit(1);
 }
 
-/* This rank's endpoint, connected to the group through Redis. */
-static struct ro_ep *join(const struct group *g, uint32_t rank, uint32_t max_tokens, uint32_t ll,
-			  uint32_t hidden, uint32_t top_k, uint32_t experts)
+/* This rank's endpoint and every rank's card, through Redis (not yet connected). */
+static struct ro_ep *meet(const struct group *g, uint32_t rank, uint32_t max_tokens, uint32_t ll,
+			  uint32_t hidden, uint32_t top_k, uint32_t experts, void **cards,
+			  size_t *lens)
 {
 	struct ro_queue_opts qo = {.url = ro_test_redis_url(), .queue = "ep-test"};
 	struct ro_ep_opts o;
 	struct ro_queue *q = NULL;
 	struct ro_ep *ep = NULL;
 	uint8_t card[RO_EP_CARD_MAX];
-	void *cards[64];
-	size_t len, lens[64];
+	const char *secret = secret_of(g, rank);
+	size_t len;
 	char err[256];
 	int r;
 
@@ -87,6 +116,9 @@ static struct ro_ep *join(const struct group *g, uint32_t rank, uint32_t max_tok
 	o.timeout_ms = g->timeout_ms ? g->timeout_ms : 20000;
 	o.combine_sum = g->sum;
 	o.fabric_only = g->fabric_only;
+	o.group = g->name;
+	o.secret = (const uint8_t *)secret;
+	o.secret_len = secret ? strlen(secret) : 0;
 	r = ro_ep_new(&o, &ep, err, sizeof(err));
 	if (r)
 		die("rank %u: ro_ep_new: %s", rank, err);
@@ -97,12 +129,22 @@ static struct ro_ep *join(const struct group *g, uint32_t rank, uint32_t max_tok
 	r = ro_queue_ep_rendezvous(q, g->name, rank, g->world, card, len, 20000, cards, lens);
 	if (r)
 		die("rank %u: rendezvous: %s", rank, ro_queue_errmsg(q));
-	r = ro_ep_connect(ep, (const void *const *)cards, lens);
-	if (r)
+	(void)ro_queue_free(q);
+	return ep;
+}
+
+/* This rank's endpoint, connected to the group through Redis. */
+static struct ro_ep *join(const struct group *g, uint32_t rank, uint32_t max_tokens, uint32_t ll,
+			  uint32_t hidden, uint32_t top_k, uint32_t experts)
+{
+	void *cards[64];
+	size_t lens[64];
+	struct ro_ep *ep = meet(g, rank, max_tokens, ll, hidden, top_k, experts, cards, lens);
+
+	if (ro_ep_connect(ep, (const void *const *)cards, lens))
 		die("rank %u: connect: %s", rank, ro_ep_errmsg(ep));
 	for (uint32_t i = 0; i < g->world; i++)
 		free(cards[i]);
-	(void)ro_queue_free(q);
 	return ep;
 }
 
@@ -354,7 +396,11 @@ static void exchange_rounds(const struct group *g, uint32_t rank)
 static void exchanges(const char *provider, enum ro_ep_dtype dtype)
 {
 	for (uint32_t w = 2; w <= 4; w++) {
-		struct group g = {.provider = provider, .world = w, .dtype = dtype};
+		/* W = 3 with signed cards: the direct path still taken once they verify */
+		struct group g = {.provider = provider,
+				  .world = w,
+				  .dtype = dtype,
+				  .secret = w == 3 ? SECRET : NULL};
 
 		run_group(&g, exchange_rounds);
 	}
@@ -472,6 +518,248 @@ Test(ep, dead_rank_named_shm)
 	dead_rank("shm");
 }
 
+/* ---- forged and badly signed cards ------------------------------------------------------ */
+
+/* What rank 0 points rank 1's card at: a descriptor it (or the test) holds. */
+static int forged_fd(const struct group *g, const struct ro_fab_card *c, pid_t *ret_pid)
+{
+	uint64_t tag = ro_fab_group_tag(g->name);
+	char name[80];
+	off_t size = (off_t)c->len;
+	unsigned flags = MFD_CLOEXEC | MFD_ALLOW_SEALING;
+	int fd;
+
+	*ret_pid = getpid();
+	switch (g->forge) {
+	case F_FILE:
+		*ret_pid = getppid();
+		return g->file_fd;
+	case F_MEMFD_SIZE:
+		size = (off_t)c->len / 2;
+		/* fall through */
+	case F_MEMFD_UNSEALED:
+		if (g->forge == F_MEMFD_UNSEALED)
+			flags = MFD_CLOEXEC;
+		ro_fab_region_name(name, sizeof(name), 1, g->world, tag, c->nonce);
+		break;
+	case F_MEMFD_NAME:
+		ro_fab_region_name(name, sizeof(name), 1, g->world, tag, c->nonce + 1);
+		break;
+	default:
+		return -1;
+	}
+	fd = memfd_create(name, flags);
+	if (fd < 0 || ftruncate(fd, size))
+		die("memfd: %s", strerror(errno));
+	if ((flags & MFD_ALLOW_SEALING) && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW))
+		die("seals: %s", strerror(errno));
+	return fd;
+}
+
+/* Rank 0 forges rank 1's card as g->forge says (re-signed with its secret when it has
+ * one, except F_TAMPER) and connects: each rank's connect must fail as g->want says. */
+static void hostile_connect(const struct group *g, uint32_t rank)
+{
+	void *cards[64];
+	size_t lens[64];
+	struct ro_ep *ep = meet(g, rank, CAP, LL, H, K, E, cards, lens);
+	const char *secret = secret_of(g, rank), *want = g->want[rank];
+	int fd = -1, r;
+
+	if (rank == 0 && g->forge != F_NONE) {
+		struct ro_fab_card c;
+		pid_t pid;
+
+		if (lens[1] != sizeof(c))
+			die("rank 1's card has %zu bytes", lens[1]);
+		memcpy(&c, cards[1], sizeof(c));
+		if (g->forge == F_TAMPER) {
+			c.key ^= 1;
+		} else {
+			fd = forged_fd(g, &c, &pid);
+			c.pid = (int32_t)pid;
+			c.fd = fd;
+			if (ro_fab_card_sign(&c, (const uint8_t *)secret,
+					     secret ? strlen(secret) : 0))
+				die("sign");
+		}
+		memcpy(cards[1], &c, sizeof(c));
+	}
+	r = ro_ep_connect(ep, (const void *const *)cards, lens);
+	if (want && r != -EPERM)
+		die("rank %u: connect returned %d, want -EPERM (%s): %s", rank, r, want,
+		    r ? ro_ep_errmsg(ep) : "connected");
+	if (want && !strstr(ro_ep_errmsg(ep), want))
+		die("rank %u: connect says \"%s\", want \"%s\"", rank, ro_ep_errmsg(ep), want);
+	if (want && rank == 0 && g->why && !strstr(ro_ep_errmsg(ep), g->why))
+		die("rank %u: connect says \"%s\", want the reason \"%s\"", rank, ro_ep_errmsg(ep),
+		    g->why);
+	if (!want && r)
+		die("rank %u: connect: %s", rank, ro_ep_errmsg(ep));
+	if (fd >= 0 && g->forge != F_FILE)
+		(void)close(fd);
+	for (uint32_t i = 0; i < g->world; i++)
+		free(cards[i]);
+	(void)ro_ep_free(ep);
+}
+
+static uint8_t file_byte(size_t i)
+{
+	return (uint8_t)(i * 131 + 7);
+}
+
+/* A card whose fd is an ordinary file of another process (here: the test's own, which it
+ * could write) is refused, signed or not, and not a byte of the file changes. */
+Test(ep, card_fd_ordinary_file_refused)
+{
+	enum { N = 1 << 20 };
+	char path[] = "/tmp/ro-ep-victim-XXXXXX";
+	uint8_t *buf = malloc(N);
+	int fd = mkstemp(path);
+
+	cr_assert_geq(fd, 0);
+	cr_assert_not_null(buf);
+	for (size_t i = 0; i < N; i++)
+		buf[i] = file_byte(i);
+	cr_assert_eq(write(fd, buf, N), N);
+	for (int signed_ = 0; signed_ < 2; signed_++) {
+		struct group g = {.provider = "shm",
+				  .world = 2,
+				  .secret = signed_ ? SECRET : NULL,
+				  .forge = F_FILE,
+				  .file_fd = fd,
+				  .want = {"rank 1's card: /proc/"},
+				  .why = "not the memfd"};
+		struct stat st;
+
+		run_group(&g, hostile_connect);
+		cr_assert_eq(fstat(fd, &st), 0);
+		cr_assert_eq(st.st_size, N, "the file's size changed");
+		memset(buf, 0, N);
+		cr_assert_eq(pread(fd, buf, N, 0), N);
+		for (size_t i = 0; i < N; i++)
+			cr_assert_eq(buf[i], file_byte(i), "byte %zu of the file changed", i);
+	}
+	(void)close(fd);
+	(void)unlink(path);
+	free(buf);
+}
+
+/* A memfd that is not that rank's region: wrong size, not sealed, another name. */
+Test(ep, card_fd_wrong_memfd_refused)
+{
+	static const struct {
+		enum forge forge;
+		const char *why;
+	} cases[] = {
+	    {F_MEMFD_SIZE, "bytes, not the region's"},
+	    {F_MEMFD_UNSEALED, "is not sealed against shrinking and growing"},
+	    {F_MEMFD_NAME, "not the memfd \"/memfd:ro-ep-1-of-2-"},
+	};
+
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+		for (int signed_ = 0; signed_ < 2; signed_++) {
+			struct group g = {.provider = "shm",
+					  .world = 2,
+					  .secret = signed_ ? SECRET : NULL,
+					  .forge = cases[i].forge,
+					  .want = {"rank 1's card: /proc/"},
+					  .why = cases[i].why};
+
+			run_group(&g, hostile_connect);
+		}
+}
+
+/* With a secret, a card that is not signed with it refuses the connect, naming the rank:
+ * a changed byte, another secret, no secret at all. */
+Test(ep, card_bad_signature_refused)
+{
+	struct group tamper = {.provider = "shm",
+			       .world = 2,
+			       .secret = SECRET,
+			       .forge = F_TAMPER,
+			       .want = {"rank 1's card is not signed with this group's secret"}};
+	struct group other = {.provider = "tcp",
+			      .world = 2,
+			      .secret = SECRET,
+			      .secret0 = "another-secret-0123456789abcdef",
+			      .want = {"rank 1's card is not signed with this group's secret",
+				       "rank 0's card is not signed with this group's secret"}};
+	struct group none = {.provider = "shm",
+			     .world = 2,
+			     .secret = SECRET,
+			     .secret0 = "",
+			     .want = {"rank 1's card is signed but this rank has no EP secret",
+				      "rank 0's card is not signed with this group's secret"}};
+
+	run_group(&tamper, hostile_connect);
+	run_group(&other, hostile_connect);
+	run_group(&none, hostile_connect);
+}
+
+/* The checks that need no peer (ro_fab_card_check, the fuzz target's function). */
+Test(ep, card_check)
+{
+	const uint8_t *key = (const uint8_t *)SECRET;
+	const size_t klen = strlen(SECRET), rlen = 1 << 16;
+	struct ro_fab_card c, bad;
+	char err[256];
+	uint32_t old[2] = {RO_FAB_CARD_OLD_MAGIC, 16};
+
+	memset(&c, 0, sizeof(c));
+	c.magic = RO_FAB_CARD_MAGIC;
+	c.version = RO_FAB_CARD_VERSION;
+	c.rank = 1;
+	c.world = 2;
+	c.name_len = 16;
+	c.len = rlen;
+	c.pid = 1;
+	c.fd = 3;
+	(void)snprintf(c.host, sizeof(c.host), "boot:pid:[1]");
+	cr_assert_eq(ro_fab_card_check(&c, sizeof(c), NULL, 0, rlen, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_assert_eq(ro_fab_card_check(&c, sizeof(c), key, klen, rlen, err, sizeof(err)), -EPERM);
+	cr_assert(strstr(err, "not signed with this group's secret"), "%s", err);
+	cr_assert_eq(ro_fab_card_sign(&c, key, klen), 0);
+	cr_assert_eq(ro_fab_card_check(&c, sizeof(c), key, klen, rlen, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_assert_eq(ro_fab_card_check(&c, sizeof(c), NULL, 0, rlen, err, sizeof(err)), -EPERM);
+	cr_assert_eq(ro_fab_card_check(&c, sizeof(c), key, klen - 1, rlen, err, sizeof(err)),
+		     -EPERM);
+	/* every byte is signed */
+	for (size_t i = 0; i < offsetof(struct ro_fab_card, mac); i += 7) {
+		bad = c;
+		((uint8_t *)&bad)[i] ^= 0x10;
+		cr_assert_neq(
+		    ro_fab_card_check(&bad, sizeof(bad), key, klen, rlen, err, sizeof(err)), 0,
+		    "byte %zu changed, still accepted", i);
+	}
+	/* an older build's card, another version, short, other sizes, unterminated host */
+	cr_assert_eq(ro_fab_card_check(old, sizeof(old), key, klen, rlen, err, sizeof(err)),
+		     -EPROTO);
+	cr_assert(strstr(err, "older rolloutd"), "%s", err);
+	bad = c;
+	bad.version = 3;
+	cr_assert_eq(ro_fab_card_check(&bad, sizeof(bad), key, klen, rlen, err, sizeof(err)),
+		     -EPROTO);
+	cr_assert(strstr(err, "format version 3"), "%s", err);
+	cr_assert_eq(ro_fab_card_check(&c, sizeof(c) - 1, key, klen, rlen, err, sizeof(err)),
+		     -EPROTO);
+	cr_assert_eq(ro_fab_card_check(&c, 3, key, klen, rlen, err, sizeof(err)), -EPROTO);
+	cr_assert_eq(ro_fab_card_check(&c, sizeof(c), key, klen, rlen * 2, err, sizeof(err)),
+		     -EPROTO);
+	bad = c;
+	memset(bad.host, 'x', sizeof(bad.host));
+	cr_assert_eq(ro_fab_card_sign(&bad, key, klen), 0);
+	cr_assert_eq(ro_fab_card_check(&bad, sizeof(bad), key, klen, rlen, err, sizeof(err)),
+		     -EPROTO);
+	bad = c;
+	bad.name_len = sizeof(bad.name) + 1;
+	cr_assert_eq(ro_fab_card_sign(&bad, key, klen), 0);
+	cr_assert_eq(ro_fab_card_check(&bad, sizeof(bad), key, klen, rlen, err, sizeof(err)),
+		     -EPROTO);
+}
+
 /* ---- the EP forward equals the single-rank forward -------------------------------------- */
 
 static char model_dir[96];
@@ -525,6 +813,14 @@ static void forward_equal(const struct group *g, uint32_t rank)
 		die("rank %u: load: %s", rank, err);
 	c = ro_model_config(m);
 	ep = join(g, rank, 32, 8, c->hidden, c->top_k, c->experts);
+	{
+		struct ro_ep_stats st;
+
+		ro_ep_stats(ep, &st);
+		if (st.direct_peers != (!strcmp(g->provider, "shm") ? g->world - 1 : 0))
+			die("rank %u: %u peers stored into directly over %s", rank, st.direct_peers,
+			    g->provider);
+	}
 	ro_ep_attach(ep, m);
 	for (uint32_t i = 0; i < n; i++) {
 		plen[i] = rank == 0 && i == 0 ? 45 : 3 + 2 * i + rank;
@@ -639,7 +935,10 @@ Test(ep, forward_bitwise_equal, .fini = rm_model)
 {
 	make_model_once();
 	for (uint32_t w = 2; w <= 4; w += 2) {
-		struct group g = {.provider = w == 2 ? "tcp" : "shm", .world = w};
+		/* shm with signed cards: the direct stores, the secret verified */
+		struct group g = {.provider = w == 2 ? "tcp" : "shm",
+				  .world = w,
+				  .secret = w == 4 ? SECRET : NULL};
 
 		run_group(&g, forward_equal);
 	}

@@ -180,7 +180,11 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 	if (!ep)
 		return ro_errf(err, errlen, -ENOMEM, "out of memory");
 	ep->o = *o;
+	/* the caller's strings need not outlive this call: the fabric keeps its own copies */
 	ep->o.provider = NULL;
+	ep->o.group = NULL;
+	ep->o.secret = NULL;
+	ep->o.secret_len = 0;
 	ep->W = o->world;
 	ep->me = o->rank;
 	ep->H = o->hidden;
@@ -229,8 +233,13 @@ int ro_ep_new(const struct ro_ep_opts *o, struct ro_ep **ret, char *err, size_t 
 		r = ro_errf(err, errlen, -ENOMEM, "out of memory");
 		goto fail;
 	}
-	r = ro_fab_open(o->provider, ep->region_len, ep->send_len, !o->fabric_only, &ep->f, err,
-			errlen);
+	r = ro_fab_open(o->provider, ep->region_len, ep->send_len, !o->fabric_only,
+			&(struct ro_fab_id){.rank = o->rank,
+					    .world = o->world,
+					    .group = o->group,
+					    .secret = o->secret,
+					    .secret_len = o->secret ? o->secret_len : 0},
+			&ep->f, err, errlen);
 	if (r)
 		goto fail;
 	ep->chunk = ro_fab_chunk(ep->f);
@@ -284,7 +293,7 @@ int ro_ep_card(struct ro_ep *ep, void *buf, size_t *ret_len)
 
 int ro_ep_connect(struct ro_ep *ep, const void *const *cards, const size_t *lens)
 {
-	return ro_fab_connect(ep->f, ep->me, ep->W, cards, lens, ep->err, sizeof(ep->err));
+	return ro_fab_connect(ep->f, cards, lens, ep->err, sizeof(ep->err));
 }
 
 void ro_ep_set_mode(struct ro_ep *ep, enum ro_ep_mode mode)

@@ -3,14 +3,21 @@
  * writes with remote CQ data, and a completion loop that turns every provider error into
  * -errno with a message naming the peer. Nothing here waits: dispatch.c owns deadlines. */
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <fcntl.h>
 #include <stdatomic.h>
 #include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <time.h>
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -21,8 +28,8 @@
 
 #include "kernels/ep/internal.h"
 #include "kernels/internal.h"
+#include "kernels/model.h"
 
-#define CARD_MAGIC 0x524f4550u /* "ROEP" */
 #define MAX_CHUNK (4u << 20)
 #define N_CTX 1024
 
@@ -32,15 +39,11 @@ struct tx_ctx {
 	int next_free;
 };
 
-struct card {
-	uint32_t magic, name_len;
-	uint64_t base, key, len;
-	uint8_t name[256];
-	/* same-host direct path: the region's memfd as /proc/<pid>/fd/<fd>, and what makes
-	 * "the same host" (boot id and pid namespace) */
-	int32_t pid, fd;
-	char host[96];
-};
+_Static_assert(sizeof(struct ro_fab_card) == offsetof(struct ro_fab_card, mac) + RO_FAB_MAC_LEN &&
+		   offsetof(struct ro_fab_card, mac) ==
+		       offsetof(struct ro_fab_card, host) + sizeof(((struct ro_fab_card *)0)->host),
+	       "the card has no padding: every byte before mac is signed and defined");
+_Static_assert(sizeof(struct ro_fab_card) <= RO_EP_CARD_MAX, "a card fits RO_EP_CARD_MAX");
 
 struct ro_fab {
 	struct fi_info *info;
@@ -54,6 +57,9 @@ struct ro_fab {
 	size_t region_len, send_len, chunk;
 	bool virt_addr;
 	uint32_t rank, world, timeout_ms;
+	uint64_t group_tag, nonce;
+	uint8_t *secret; /* our copy of the group secret (NULL: cards unsigned) */
+	size_t secret_len;
 	fi_addr_t *peer;
 	uint64_t *peer_base, *peer_key;
 	struct tx_ctx ctx[N_CTX];
@@ -132,6 +138,10 @@ struct ro_fab *ro_fab_close(struct ro_fab *f)
 	free(f->peer);
 	free(f->peer_base);
 	free(f->peer_key);
+	if (f->secret) {
+		explicit_bzero(f->secret, f->secret_len);
+		free(f->secret);
+	}
 	free(f);
 	return NULL;
 }
@@ -176,8 +186,72 @@ static int shm_name(struct ro_fab *f)
 	return fi_setname(&f->ep->fid, name, strlen(name) + 1);
 }
 
+uint64_t ro_fab_group_tag(const char *group)
+{
+	unsigned char md[EVP_MAX_MD_SIZE];
+	unsigned int n = 0;
+	uint64_t tag = 0;
+
+	if (!group)
+		group = "";
+	if (EVP_Digest(group, strlen(group), md, &n, EVP_sha256(), NULL) && n >= sizeof(tag))
+		memcpy(&tag, md, sizeof(tag));
+	return tag;
+}
+
+void ro_fab_region_name(char *buf, size_t len, uint32_t rank, uint32_t world, uint64_t group_tag,
+			uint64_t nonce)
+{
+	(void)snprintf(buf, len, "ro-ep-%u-of-%u-%016llx-%016llx", rank, world,
+		       (unsigned long long)group_tag, (unsigned long long)nonce);
+}
+
+/* The nonce that makes this endpoint's memfd name its own. Not a secret (the card
+ * carries it); unpredictable only so that nobody prepares a file of that name ahead. */
+static uint64_t make_nonce(void)
+{
+	uint64_t n = 0;
+
+	if (getrandom(&n, sizeof(n), GRND_NONBLOCK) != (ssize_t)sizeof(n)) {
+		struct timespec ts;
+
+		clock_gettime(CLOCK_REALTIME, &ts);
+		n = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+		n ^= (uint64_t)getpid() << 40;
+	}
+	return n;
+}
+
+/* The region as a sealed memfd named for this rank, group and endpoint: what peers check
+ * before they map it (map_peer). Shrink and grow are sealed once it has its size, so a
+ * mapping of it never loses its backing; F_SEAL_SEAL so that nobody adds a seal later. */
+static void open_shared_region(struct ro_fab *f)
+{
+	char name[80];
+	int fd;
+	void *p;
+
+	ro_fab_region_name(name, sizeof(name), f->rank, f->world, f->group_tag, f->nonce);
+	fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (fd < 0)
+		return;
+	if (ftruncate(fd, (off_t)f->region_len) ||
+	    fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)) {
+		(void)close(fd);
+		return;
+	}
+	p = mmap(NULL, f->region_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (p == MAP_FAILED) {
+		(void)close(fd);
+		return;
+	}
+	f->region = p;
+	f->region_fd = fd;
+	f->direct = true;
+}
+
 int ro_fab_open(const char *provider, size_t region_len, size_t send_len, bool direct,
-		struct ro_fab **ret, char *err, size_t errlen)
+		const struct ro_fab_id *id, struct ro_fab **ret, char *err, size_t errlen)
 {
 	struct fi_cq_attr cqa = {
 	    .format = FI_CQ_FORMAT_DATA, .size = 4096, .wait_obj = FI_WAIT_NONE};
@@ -202,6 +276,10 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, bool d
 		return ro_errf(err, errlen, -ENOMEM, "out of memory");
 	}
 	f->region_fd = -1;
+	f->rank = id ? id->rank : 0;
+	f->world = id ? id->world : 1;
+	f->group_tag = ro_fab_group_tag(id ? id->group : NULL);
+	f->nonce = make_nonce();
 	/* the first (best) match only */
 	f->info = fi_dupinfo(info);
 	fi_freeinfo(info);
@@ -210,6 +288,15 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, bool d
 		goto fail;
 	}
 	(void)snprintf(f->prov, sizeof(f->prov), "%s", f->info->fabric_attr->prov_name);
+	if (id && id->secret && id->secret_len) {
+		f->secret = malloc(id->secret_len);
+		if (!f->secret) {
+			r = ro_errf(err, errlen, -ENOMEM, "out of memory");
+			goto fail;
+		}
+		memcpy(f->secret, id->secret, id->secret_len);
+		f->secret_len = id->secret_len;
+	}
 	f->virt_addr = f->info->domain_attr->mr_mode & FI_MR_VIRT_ADDR;
 	f->chunk = f->info->ep_attr->max_msg_size;
 	if (!f->chunk || f->chunk > MAX_CHUNK)
@@ -219,22 +306,8 @@ int ro_fab_open(const char *provider, size_t region_len, size_t send_len, bool d
 	f->region_fd = -1;
 	/* shm: ranks of one host write each other's regions with plain stores, the fabric
 	 * only signals (a memfd region they map through /proc/<pid>/fd) */
-	if (direct && !strcmp(f->prov, "shm")) {
-		int fd = memfd_create("rolloutd-ep-region", MFD_CLOEXEC);
-
-		if (fd >= 0 && ftruncate(fd, (off_t)f->region_len) == 0) {
-			void *p =
-			    mmap(NULL, f->region_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-
-			if (p != MAP_FAILED) {
-				f->region = p;
-				f->region_fd = fd;
-				f->direct = true;
-			}
-		}
-		if (!f->direct && fd >= 0)
-			(void)close(fd);
-	}
+	if (direct && !strcmp(f->prov, "shm"))
+		open_shared_region(f);
 	if (!f->region)
 		f->region = map_zeroed(f->region_len);
 	f->send = map_zeroed(f->send_len);
@@ -301,33 +374,218 @@ size_t ro_fab_chunk(const struct ro_fab *f)
 	return f->chunk;
 }
 
+/* ---- the card ---------------------------------------------------------------------- */
+
+#define MAC_OFF offsetof(struct ro_fab_card, mac)
+
+static int card_mac(const void *card, const uint8_t *secret, size_t secret_len,
+		    uint8_t mac[RO_FAB_MAC_LEN])
+{
+	unsigned int n = 0;
+
+	if (secret_len > 0x7fffffff ||
+	    !HMAC(EVP_sha256(), secret, (int)secret_len, card, MAC_OFF, mac, &n) ||
+	    n != RO_FAB_MAC_LEN)
+		return -EIO;
+	return 0;
+}
+
+int ro_fab_card_sign(struct ro_fab_card *c, const uint8_t *secret, size_t secret_len)
+{
+	memset(c->mac, 0, sizeof(c->mac));
+	if (!secret || !secret_len) {
+		c->flags &= ~RO_FAB_CARD_SIGNED;
+		return 0;
+	}
+	c->flags |= RO_FAB_CARD_SIGNED;
+	return card_mac(c, secret, secret_len, c->mac);
+}
+
+/* Only what the bytes themselves tell, so that a fuzzer can drive it: the caller checks
+ * rank, world and group against its own and the fd against the live peer. The signature
+ * comes before any field is believed. */
+int ro_fab_card_check(const void *buf, size_t len, const uint8_t *secret, size_t secret_len,
+		      size_t region_len, char *err, size_t errlen)
+{
+	const bool keyed = secret && secret_len;
+	struct ro_fab_card c;
+	uint32_t head[2];
+
+	if (len < sizeof(head))
+		return ro_errf(err, errlen, -EPROTO, "card has %zu bytes: not a card", len);
+	memcpy(head, buf, sizeof(head));
+	if (head[0] == RO_FAB_CARD_OLD_MAGIC)
+		return ro_errf(err, errlen, -EPROTO,
+			       "card is of the unversioned format of an older rolloutd: every "
+			       "rank of a group must run the same version");
+	if (head[0] != RO_FAB_CARD_MAGIC)
+		return ro_errf(err, errlen, -EPROTO, "card is not an EP card (magic %08x)",
+			       head[0]);
+	if (head[1] != RO_FAB_CARD_VERSION)
+		return ro_errf(err, errlen, -EPROTO,
+			       "card has format version %u, this rolloutd speaks %u: every rank "
+			       "of a group must run the same version",
+			       head[1], RO_FAB_CARD_VERSION);
+	if (len != sizeof(c))
+		return ro_errf(err, errlen, -EPROTO, "card has %zu bytes, want %zu", len,
+			       sizeof(c));
+	memcpy(&c, buf, sizeof(c));
+	if (keyed) {
+		uint8_t mac[RO_FAB_MAC_LEN];
+
+		if (!(c.flags & RO_FAB_CARD_SIGNED))
+			return ro_errf(err, errlen, -EPERM,
+				       "card is not signed with this group's secret (it is not "
+				       "signed at all: that rank has no ep-secret-file)");
+		if (card_mac(buf, secret, secret_len, mac))
+			return ro_errf(err, errlen, -EIO, "card: HMAC-SHA256 failed");
+		if (CRYPTO_memcmp(mac, c.mac, sizeof(mac)))
+			return ro_errf(err, errlen, -EPERM,
+				       "card is not signed with this group's secret (every rank "
+				       "needs the same ep-secret-file; or the card was forged)");
+	} else if (c.flags & RO_FAB_CARD_SIGNED) {
+		return ro_errf(err, errlen, -EPERM,
+			       "card is signed but this rank has no EP secret: give every rank "
+			       "the same ep-secret-file");
+	}
+	if (c.flags & ~RO_FAB_CARD_SIGNED)
+		return ro_errf(err, errlen, -EPROTO, "card has unknown flags %#x", c.flags);
+	if (!c.world || c.world > 64 || c.rank >= c.world)
+		return ro_errf(err, errlen, -EPROTO, "card names rank %u of %u", c.rank, c.world);
+	if (!c.name_len || c.name_len > sizeof(c.name))
+		return ro_errf(err, errlen, -EPROTO, "card has a fabric address of %u bytes",
+			       c.name_len);
+	if (c.len != region_len)
+		return ro_errf(err, errlen, -EPROTO,
+			       "card does not match (another build or other sizes: region %llu "
+			       "bytes, ours %zu)",
+			       (unsigned long long)c.len, region_len);
+	if (!memchr(c.host, 0, sizeof(c.host)))
+		return ro_errf(err, errlen, -EPROTO, "card's host key is not terminated");
+	if (c.fd < -1 || (c.fd >= 0 && c.pid <= 0))
+		return ro_errf(err, errlen, -EPROTO, "card names fd %d of pid %d", (int)c.fd,
+			       (int)c.pid);
+	return 0;
+}
+
 int ro_fab_card(struct ro_fab *f, void *buf, size_t *ret_len)
 {
-	struct card c = {.magic = CARD_MAGIC};
+	struct ro_fab_card c;
 	size_t n = sizeof(c.name);
-	int r = fi_getname(&f->ep->fid, c.name, &n);
+	int r;
 
+	memset(&c, 0, sizeof(c)); /* every byte is signed: padding-free, but be sure */
+	r = fi_getname(&f->ep->fid, c.name, &n);
 	if (r)
 		return fierr(r);
+	c.magic = RO_FAB_CARD_MAGIC;
+	c.version = RO_FAB_CARD_VERSION;
+	c.rank = f->rank;
+	c.world = f->world;
 	c.name_len = (uint32_t)n;
 	c.base = f->virt_addr ? (uint64_t)(uintptr_t)f->region : 0;
 	c.key = fi_mr_key(f->rmr);
 	c.len = f->region_len;
+	c.group_tag = f->group_tag;
+	c.nonce = f->nonce;
 	c.pid = (int32_t)getpid();
 	c.fd = f->direct ? f->region_fd : -1;
 	host_key(c.host, sizeof(c.host));
+	r = ro_fab_card_sign(&c, f->secret, f->secret_len);
+	if (r)
+		return r;
 	memcpy(buf, &c, sizeof(c));
 	*ret_len = sizeof(c);
 	return 0;
 }
 
-int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *const *cards,
-		   const size_t *lens, char *err, size_t errlen)
+/* Refuse a card's fd: it points at something that is not the peer's region. */
+static int refuse(char *err, size_t errlen, uint32_t rank, const struct ro_fab_card *c,
+		  const char *why)
 {
-	char me[96];
+	return ro_errf(err, errlen, -EPERM,
+		       "rank %u's card: /proc/%d/fd/%d %s: refusing to map it (not that rank's "
+		       "region: a forged card?)",
+		       rank, (int)c->pid, (int)c->fd, why);
+}
 
-	f->rank = rank;
-	f->world = world;
+/* A same-host peer's region, mapped here only once the file behind /proc/<pid>/fd/<fd>
+ * proved to be that peer's region: a memfd of the name it was created with (rank, world,
+ * group, the card's nonce), owned by our user, sealed against shrinking and growing (the
+ * mapping cannot lose its backing), of exactly the region's size. The file is pinned
+ * first with O_PATH (following the magic link runs no device's open), the name is read
+ * from that pinned descriptor, the read-write descriptor is reopened from it and checked
+ * to be the same inode, and seals and size are read from the descriptor that is mapped:
+ * nothing can be swapped between the checks and the map.
+ * 0 with *ret NULL: not ours to open (ptrace denied, another user, gone), the fabric
+ * carries it. -EPERM: the card points at anything else. */
+static int map_peer(struct ro_fab *f, uint32_t rank, const struct ro_fab_card *c, void **ret,
+		    char *err, size_t errlen)
+{
+	char path[64], self[64], name[80], want[112], got[256], why[400];
+	struct stat ps, ws;
+	int pfd, wfd = -1, seals, r = 0;
+	ssize_t n;
+	void *p;
+
+	*ret = NULL;
+	(void)snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)c->pid, (int)c->fd);
+	pfd = open(path, O_PATH | O_CLOEXEC);
+	if (pfd < 0)
+		goto out;
+	if (fstat(pfd, &ps) || ps.st_uid != geteuid())
+		goto out_pfd; /* another user's: nothing we may map */
+	if (!S_ISREG(ps.st_mode)) {
+		r = refuse(err, errlen, rank, c, "is not a regular file");
+		goto out_pfd;
+	}
+	(void)snprintf(self, sizeof(self), "/proc/self/fd/%d", pfd);
+	n = readlink(self, got, sizeof(got) - 1);
+	got[n > 0 ? n : 0] = 0;
+	ro_fab_region_name(name, sizeof(name), rank, f->world, f->group_tag, c->nonce);
+	(void)snprintf(want, sizeof(want), "/memfd:%s (deleted)", name);
+	if (strcmp(got, want)) {
+		(void)snprintf(why, sizeof(why), "is \"%s\", not the memfd \"%s\"", got, want);
+		r = refuse(err, errlen, rank, c, why);
+		goto out_pfd;
+	}
+	wfd = open(self, O_RDWR | O_CLOEXEC);
+	if (wfd < 0)
+		goto out_pfd;
+	if (fstat(wfd, &ws) || ws.st_dev != ps.st_dev || ws.st_ino != ps.st_ino) {
+		r = refuse(err, errlen, rank, c, "changed while it was checked");
+		goto out_wfd;
+	}
+	seals = fcntl(wfd, F_GET_SEALS);
+	if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
+		r = refuse(err, errlen, rank, c, "is not sealed against shrinking and growing");
+		goto out_wfd;
+	}
+	if (ws.st_size < 0 || (uint64_t)ws.st_size != f->region_len) {
+		(void)snprintf(why, sizeof(why), "has %lld bytes, not the region's %zu",
+			       (long long)ws.st_size, f->region_len);
+		r = refuse(err, errlen, rank, c, why);
+		goto out_wfd;
+	}
+	p = mmap(NULL, f->region_len, PROT_READ | PROT_WRITE, MAP_SHARED, wfd, 0);
+	if (p != MAP_FAILED)
+		*ret = p;
+out_wfd:
+	(void)close(wfd);
+out_pfd:
+	(void)close(pfd);
+out:
+	return r;
+}
+
+int ro_fab_connect(struct ro_fab *f, const void *const *cards, const size_t *lens, char *err,
+		   size_t errlen)
+{
+	const uint32_t world = f->world;
+	char me[96], why[224];
+
+	if (f->peer)
+		return ro_errf(err, errlen, -EALREADY, "already connected");
 	f->peer = calloc(world, sizeof(*f->peer));
 	f->peer_base = calloc(world, sizeof(*f->peer_base));
 	f->peer_key = calloc(world, sizeof(*f->peer_key));
@@ -336,20 +594,19 @@ int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *
 		return ro_errf(err, errlen, -ENOMEM, "out of memory");
 	host_key(me, sizeof(me));
 	for (uint32_t i = 0; i < world; i++) {
-		struct card c;
-		int r;
+		struct ro_fab_card c;
+		int r = ro_fab_card_check(cards[i], lens[i], f->secret, f->secret_len,
+					  f->region_len, why, sizeof(why));
 
-		if (lens[i] != sizeof(c))
-			return ro_errf(err, errlen, -EPROTO,
-				       "rank %u's card has %zu bytes, want %zu", i, lens[i],
-				       sizeof(c));
+		if (r)
+			return ro_errf(err, errlen, r, "rank %u's %s", i, why);
 		memcpy(&c, cards[i], sizeof(c));
-		if (c.magic != CARD_MAGIC || c.name_len > sizeof(c.name) || c.len != f->region_len)
-			return ro_errf(
-			    err, errlen, -EPROTO,
-			    "rank %u's card does not match (another build or other sizes: "
-			    "region %llu bytes, ours %zu)",
-			    i, (unsigned long long)c.len, f->region_len);
+		if (c.rank != i || c.world != world || c.group_tag != f->group_tag)
+			return ro_errf(err, errlen, -EPROTO,
+				       "rank %u's card is rank %u of %u in group %016llx, we want "
+				       "rank %u of %u in %016llx (a card of another group?)",
+				       i, c.rank, c.world, (unsigned long long)c.group_tag, i,
+				       world, (unsigned long long)f->group_tag);
 		r = fi_av_insert(f->av, c.name, 1, &f->peer[i], 0, NULL);
 		if (r != 1)
 			return ro_errf(err, errlen, r < 0 ? r : -EADDRNOTAVAIL,
@@ -357,22 +614,11 @@ int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *
 				       fi_strerror(r < 0 ? -r : FI_EADDRNOTAVAIL));
 		f->peer_base[i] = c.base;
 		f->peer_key[i] = c.key;
-		c.host[sizeof(c.host) - 1] = 0;
-		if (f->direct && i != rank && c.fd >= 0 && !strcmp(c.host, me)) {
-			char path[64];
-			int fd;
-
-			(void)snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)c.pid, (int)c.fd);
-			fd = open(path, O_RDWR | O_CLOEXEC);
-			if (fd >= 0) {
-				void *p = mmap(NULL, f->region_len, PROT_READ | PROT_WRITE,
-					       MAP_SHARED, fd, 0);
-
-				if (p != MAP_FAILED)
-					f->peer_map[i] = p;
-				(void)close(fd);
-			}
-			/* not mappable (another user, a seccomp profile): the fabric carries it */
+		/* another host, or a peer without a shareable region: the fabric carries it */
+		if (f->direct && i != f->rank && c.fd >= 0 && !strcmp(c.host, me)) {
+			r = map_peer(f, i, &c, &f->peer_map[i], err, errlen);
+			if (r)
+				return r;
 		}
 	}
 	return 0;

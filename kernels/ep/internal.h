@@ -27,12 +27,61 @@ static inline double ro_ep_mono_msf(void)
 
 struct ro_fab;
 
+/* ---- the rendezvous card ---- *
+ * What a rank publishes (through Redis) so that its peers can reach it: the fabric
+ * address, the region's address and key, and for the same-host direct path the pid and
+ * fd of the region's memfd. Whoever can write the card in Redis must not be able to make
+ * a rank store into an arbitrary file, so a card is (1) signed, with the group secret, by
+ * HMAC-SHA256 over every byte before `mac`, and (2) its fd is only mapped once the file
+ * behind it proved to be this peer's sealed region memfd of the right name and size.
+ * Fixed layout, no padding, host byte order (a group runs one build on one architecture). */
+#define RO_FAB_CARD_MAGIC 0x43454f52u	  /* "ROEC" in memory on little-endian hosts */
+#define RO_FAB_CARD_OLD_MAGIC 0x524f4550u /* the unversioned card before version 2 */
+#define RO_FAB_CARD_VERSION 2u
+#define RO_FAB_CARD_SIGNED 1u /* flags: mac is HMAC-SHA256(secret, bytes before it) */
+#define RO_FAB_MAC_LEN 32
+
+struct ro_fab_card {
+	uint32_t magic, version;
+	uint32_t rank, world;
+	uint32_t name_len, flags;
+	uint64_t base, key, len; /* the region: address (FI_MR_VIRT_ADDR) or 0, key, length */
+	uint64_t group_tag;	 /* the first 8 bytes of SHA-256(group id) */
+	uint64_t nonce;		 /* random per endpoint: part of the memfd's name */
+	int32_t pid, fd;	 /* the region's memfd as /proc/<pid>/fd/<fd>; fd -1: none */
+	uint8_t name[256];	 /* fabric address (fi_getname), name_len bytes */
+	char host[96];		 /* "<boot id>:<pid namespace>", NUL terminated */
+	uint8_t mac[RO_FAB_MAC_LEN];
+};
+
+/* Everything about a card that needs no live peer: length, magic and version, the
+ * signature (with a secret: present and right; without: absent), name_len, region length,
+ * the host string's NUL, the pid/fd and rank/world ranges. 0, or -EPROTO (not a card of
+ * this build) / -EPERM (signature) with a message about "card ..." in err. */
+int ro_fab_card_check(const void *buf, size_t len, const uint8_t *secret, size_t secret_len,
+		      size_t region_len, char *err, size_t errlen);
+/* Set flags and mac of a card in place (tests forge cards with it). */
+int ro_fab_card_sign(struct ro_fab_card *c, const uint8_t *secret, size_t secret_len);
+/* The memfd name the region of (rank, world, group_tag, nonce) carries. */
+void ro_fab_region_name(char *buf, size_t len, uint32_t rank, uint32_t world, uint64_t group_tag,
+			uint64_t nonce);
+uint64_t ro_fab_group_tag(const char *group);
+
+/* Who this endpoint is: its rank of the group (named by group, any string) and the
+ * secret that signs the cards (secret_len 0: unsigned cards). */
+struct ro_fab_id {
+	uint32_t rank, world;
+	const char *group;
+	const uint8_t *secret;
+	size_t secret_len;
+};
+
 /* Open an RDM endpoint on provider (NULL: best available) with a region of region_len
  * bytes that peers may write and a send area of send_len bytes (both zeroed, lazily
  * backed). With direct and the shm provider, the region is shareable: peers of this host
  * map it and store into it (ro_fab_peer_region), the fabric only signals. */
 int ro_fab_open(const char *provider, size_t region_len, size_t send_len, bool direct,
-		struct ro_fab **ret, char *err, size_t errlen);
+		const struct ro_fab_id *id, struct ro_fab **ret, char *err, size_t errlen);
 struct ro_fab *ro_fab_close(struct ro_fab *f);
 const char *ro_fab_provider(const struct ro_fab *f);
 void *ro_fab_region(struct ro_fab *f);
@@ -41,9 +90,14 @@ void *ro_fab_send(struct ro_fab *f);
  * data (no ordering between them is assumed). Same for every rank of a provider. */
 size_t ro_fab_chunk(const struct ro_fab *f);
 
+/* This rank's card (signed when the endpoint has a secret) into buf (RO_EP_CARD_MAX). */
 int ro_fab_card(struct ro_fab *f, void *buf, size_t *ret_len);
-int ro_fab_connect(struct ro_fab *f, uint32_t rank, uint32_t world, const void *const *cards,
-		   const size_t *lens, char *err, size_t errlen);
+/* Every rank's card, by rank: each must pass ro_fab_card_check and name its own rank,
+ * world and group. A same-host peer's region is mapped only after its fd proved to be that
+ * peer's region (see verify_region in fabric.c); -EPERM, naming the rank and the reason,
+ * when it is something else: a hostile card. */
+int ro_fab_connect(struct ro_fab *f, const void *const *cards, const size_t *lens, char *err,
+		   size_t errlen);
 
 /* Write len bytes (len may be 0) from the send area at soff into peer's region at roff,
  * in chunks, each chunk delivering `data` to the peer's completion queue. Writes to this
