@@ -174,6 +174,16 @@ static void fcall_start(struct ro_queue *q, struct args *a, const char *fn)
 
 /* ---- connection ------------------------------------------------------------------- */
 
+/* The longest value a reply may carry: a unit body, a checkpoint, or anything else the
+ * clients read (a policy manifest, a sample, a dead unit's history), with room to spare.
+ * The claims are bounded on the server (ro_unit_bounds); this is the client's own guard. */
+static size_t reply_cap(const struct ro_unit_bounds *b)
+{
+	size_t ckpt = ro_progress_max_bytes(b->max_new_tokens);
+
+	return (b->max_body > ckpt ? b->max_body : ckpt) + ((size_t)8 << 20);
+}
+
 int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 {
 	struct ro_queue *q;
@@ -195,8 +205,20 @@ int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 		q->o.max_attempts = 3;
 	if (!q->o.worker_ttl_ms)
 		q->o.worker_ttl_ms = 30000;
-	if (!q->o.bounds.max_body)
-		ro_unit_bounds_default(&q->o.bounds);
+	{
+		/* each bound not given is the default one (a claim enforces them all) */
+		struct ro_unit_bounds d;
+
+		ro_unit_bounds_default(&d);
+		if (!q->o.bounds.max_prompt)
+			q->o.bounds.max_prompt = d.max_prompt;
+		if (!q->o.bounds.max_n)
+			q->o.bounds.max_n = d.max_n;
+		if (!q->o.bounds.max_new_tokens)
+			q->o.bounds.max_new_tokens = d.max_new_tokens;
+		if (!q->o.bounds.max_body)
+			q->o.bounds.max_body = d.max_body;
+	}
 	q->rng = (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ (uint64_t)mono_ms() ^ (uintptr_t)q;
 	if (!q->rng)
 		q->rng = 1;
@@ -241,6 +263,7 @@ int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 	co.timeout_ms = q->o.timeout_ms;
 	co.library = ro_queue_scripts_lua;
 	co.library_version = ro_queue_scripts_version;
+	co.max_reply = reply_cap(&q->o.bounds);
 	co.after_send = o->after_send;
 	co.after_send_arg = o->after_send_arg;
 	if (!q->o.wait_timeout_ms)
@@ -326,6 +349,9 @@ static void result_clear(struct ro_queue_result *res)
 		free(res->policy);
 	}
 	ro_claims_free(res->claims, res->n_claims);
+	for (size_t i = 0; i < res->n_refused; i++)
+		free(res->refused[i]);
+	free(res->refused);
 	free(res->ok);
 	free(res->ids);
 	free(res->status);
@@ -662,11 +688,11 @@ void ro_claims_free(struct ro_claim *c, size_t count)
 	free(c);
 }
 
-static int parse_claim(const redisReply *u, struct ro_claim *c)
+static int parse_claim(const redisReply *u, size_t max_ckpt, struct ro_claim *c)
 {
 	const redisReply *pub, *prog;
 
-	if (u->type != REDIS_REPLY_ARRAY || u->elements != 8 || !is_str(u->element[0]) ||
+	if (u->type != REDIS_REPLY_ARRAY || u->elements < 8 || !is_str(u->element[0]) ||
 	    !is_str(u->element[1]) || u->element[2]->type != REDIS_REPLY_INTEGER ||
 	    !is_str(u->element[3]) || u->element[4]->type != REDIS_REPLY_INTEGER)
 		return -EPROTO;
@@ -696,38 +722,77 @@ static int parse_claim(const redisReply *u, struct ro_claim *c)
 		c->published_ids[c->n_published++] = s;
 	}
 	for (size_t i = 0; i + 1 < prog->elements; i += 2) {
+		const redisReply *v = prog->element[i + 1];
 		uint32_t idx = (uint32_t)strtoul(prog->element[i]->str, NULL, 10);
 
-		/* an unreadable checkpoint only costs a restart of that sample */
-		if (ro_progress_decode(prog->element[i + 1]->str, idx,
-				       &c->progress[c->n_progress]) == 0)
+		/* an unreadable checkpoint only costs a restart of that sample; one longer than
+		 * any this worker can resume is not even parsed (the server leaves those out) */
+		if (is_str(v) && v->len <= max_ckpt &&
+		    ro_progress_decode(v->str, idx, &c->progress[c->n_progress]) == 0)
 			c->n_progress++;
+		else
+			c->n_progress_dropped++;
 	}
+	/* the checkpoints the server left out: (idx, bytes) each */
+	if (u->elements > 8 && u->element[8]->type == REDIS_REPLY_ARRAY)
+		c->n_progress_dropped += (uint32_t)(u->element[8]->elements / 2);
 	return 0;
 }
 
-static int parse_claims(struct ro_queue *q, redisReply *rep, struct ro_claim **ret,
-			size_t *ret_count)
+/* {id, reason}: a unit the server dead-lettered instead of sending it */
+static bool is_refusal(const redisReply *u)
 {
+	return u->type == REDIS_REPLY_ARRAY && u->elements == 2 && is_str(u->element[0]) &&
+	       is_str(u->element[1]);
+}
+
+static int parse_claims(struct ro_queue *q, redisReply *rep, struct ro_claim **ret,
+			size_t *ret_count, char ***ret_refused, size_t *ret_n_refused)
+{
+	size_t max_ckpt = ro_progress_max_bytes(q->o.bounds.max_new_tokens), n = 0, nr = 0;
 	struct ro_claim *c;
+	char **refused;
 	int r = 0;
 
 	if (rep->type != REDIS_REPLY_ARRAY)
 		return bad_reply(q, rep, "claim");
 	c = calloc(rep->elements + 1, sizeof(*c));
-	if (!c) {
+	refused = calloc(rep->elements + 1, sizeof(*refused));
+	if (!c || !refused) {
+		free(c);
+		free(refused);
 		freeReplyObject(rep);
 		return -ENOMEM;
 	}
-	for (size_t i = 0; i < rep->elements && !r; i++)
-		r = parse_claim(rep->element[i], &c[i]);
+	for (size_t i = 0; i < rep->elements && !r; i++) {
+		const redisReply *u = rep->element[i];
+
+		if (!is_refusal(u)) {
+			r = parse_claim(u, max_ckpt, &c[n++]);
+		} else if (asprintf(&refused[nr], "%s: %s", u->element[0]->str,
+				    u->element[1]->str) < 0) {
+			refused[nr] = NULL;
+			r = -ENOMEM;
+		} else {
+			nr++;
+		}
+	}
+	if (!r && ret_refused) {
+		*ret_refused = refused;
+		*ret_n_refused = nr;
+		refused = NULL;
+		nr = 0;
+	}
+	for (size_t i = 0; i < nr; i++)
+		free(refused[i]);
+	free(refused);
 	if (r) {
-		ro_claims_free(c, rep->elements);
+		ro_claims_free(c, n);
 		freeReplyObject(rep);
 		return fail(q, r, "bad claim reply");
 	}
 	*ret = c;
-	*ret_count = rep->elements;
+	*ret_count = n;
 	freeReplyObject(rep);
 	return (int)*ret_count;
 }
@@ -776,7 +841,17 @@ int ro_queue_enqueue(struct ro_queue *q, const struct ro_unit *units, size_t cou
 
 static int parse_claims_op(struct op *op, redisReply *rep)
 {
-	return parse_claims(op->q, rep, &op->res.claims, &op->res.n_claims);
+	return parse_claims(op->q, rep, &op->res.claims, &op->res.n_claims, &op->res.refused,
+			    &op->res.n_refused);
+}
+
+/* The bounds a claim enforces on the server (scripts.lua, bounds_of): max_body, the
+ * longest checkpoint this worker can resume, max_n. */
+static void args_bounds(struct ro_queue *q, struct args *a)
+{
+	args_fmt(a, "%u", q->o.bounds.max_body);
+	args_fmt(a, "%zu", ro_progress_max_bytes(q->o.bounds.max_new_tokens));
+	args_fmt(a, "%u", q->o.bounds.max_n);
 }
 
 static void args_claim(struct ro_queue *q, struct args *a, uint32_t k, uint32_t lease_ms)
@@ -789,6 +864,7 @@ static void args_claim(struct ro_queue *q, struct args *a, uint32_t k, uint32_t 
 	args_fmt(a, "%016llx", (unsigned long long)rng_next(q));
 	args_fmt(a, "%u", q->o.max_attempts);
 	args_fmt(a, "%u", q->o.worker_ttl_ms);
+	args_bounds(q, a);
 }
 
 int ro_queue_claim_async(struct ro_queue *q, uint32_t k, uint32_t lease_ms,
@@ -836,6 +912,7 @@ int ro_queue_held_async(struct ro_queue *q, const struct ro_queue_cb *cb)
 
 	fcall_start(q, &a, "ro_held");
 	args_str(&a, q->worker);
+	args_bounds(q, &a);
 	r = submit(q, &a, parse_claims_op, 0, cb, NULL);
 	args_clear(&a);
 	return r;
@@ -850,6 +927,7 @@ int ro_queue_held(struct ro_queue *q, struct ro_claim **ret, size_t *ret_count)
 	*ret_count = 0;
 	fcall_start(q, &a, "ro_held");
 	args_str(&a, q->worker);
+	args_bounds(q, &a);
 	return take_claims(&res, run(q, &a, parse_claims_op, 0, &res), ret, ret_count);
 }
 
