@@ -1598,7 +1598,72 @@ void ro_queue_stats_clear(struct ro_queue_stats *s)
 		free(s->workers[i].fields);
 	}
 	free(s->workers);
+	for (uint32_t i = 0; i < s->n_warnings; i++)
+		free(s->warnings[i]);
+	free(s->warnings);
 	memset(s, 0, sizeof(*s));
+}
+
+__attribute__((format(printf, 2, 3))) static int stats_warn(struct ro_queue_stats *s,
+							    const char *fmt, ...)
+{
+	char **w = realloc(s->warnings, (s->n_warnings + 1) * sizeof(*w));
+	va_list ap;
+	int n;
+
+	if (!w)
+		return -ENOMEM;
+	s->warnings = w;
+	va_start(ap, fmt);
+	n = vasprintf(&w[s->n_warnings], fmt, ap);
+	va_end(ap);
+	if (n < 0)
+		return -ENOMEM;
+	s->n_warnings++;
+	return 0;
+}
+
+/* Status reads each key on its own: anyone with write access can put anything there, and
+ * one key of another type than the schema's (or a value too long to read) must not hide
+ * the rest. Such a key (a suffix of the prefix) is said in s->warnings and skipped; a
+ * failure of the connection (r not one of those) is everyone's, and returned. */
+static int skip_key(struct ro_queue *q, struct ro_queue_stats *s, int r, const char *suffix,
+		    const char *want)
+{
+	char key[600], type[32] = "";
+	char msg[sizeof(q->err)];
+	redisReply *t = NULL;
+
+	if (r != -EPROTO && r != -EMSGSIZE)
+		return r;
+	(void)snprintf(msg, sizeof(msg), "%s", q->err);
+	if (r == -EMSGSIZE)
+		return stats_warn(s, "%s: a value too long to read, skipped", suffix);
+	(void)snprintf(key, sizeof(key), "%s%s", q->prefix, suffix);
+	if (!cmd(q, &t, 2, (const char *[]){"TYPE", key})) {
+		if (is_str(t))
+			(void)snprintf(type, sizeof(type), "%s", t->str);
+		freeReplyObject(t);
+	}
+	if (type[0] && strcmp(type, want))
+		return stats_warn(s, "%s: not a %s (%s), skipped", suffix, want, type);
+	return stats_warn(s, "%s: %s, skipped", suffix, msg);
+}
+
+/* One count of the status from argv (argv[1] the key), or 0 with the key skipped. */
+static int64_t stat_int(struct ro_queue *q, struct ro_queue_stats *s, int *r, const char *want,
+			int argc, const char **argv)
+{
+	int e = 0;
+	int64_t v;
+
+	if (*r)
+		return 0;
+	v = cmd_int(q, &e, argc, argv);
+	if (!e)
+		return v;
+	*r = skip_key(q, s, e, argv[1] + strlen(q->prefix), want);
+	return 0;
 }
 
 static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
@@ -1618,7 +1683,7 @@ static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
 	freeReplyObject(t);
 	r = cmd(q, &rep, 5, argv);
 	if (r)
-		return r;
+		return skip_key(q, s, r, "workers", "zset");
 	s->workers = calloc(rep->elements / 2 + 1, sizeof(*s->workers));
 	if (!s->workers) {
 		freeReplyObject(rep);
@@ -1631,8 +1696,10 @@ static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
 
 		(void)snprintf(wkey, sizeof(wkey), "%sworker:%s", q->prefix, rep->element[i]->str);
 		r = cmd(q, &h, 2, hargv);
-		if (r)
-			break;
+		if (r) {
+			r = skip_key(q, s, r, wkey + strlen(q->prefix), "hash");
+			continue;
+		}
 		if (h->elements == 0) { /* heartbeat expired: the worker is gone */
 			freeReplyObject(h);
 			continue;
@@ -1676,22 +1743,26 @@ int ro_queue_stats(struct ro_queue *q, struct ro_queue_stats *s)
 	int r = 0;
 
 	memset(s, 0, sizeof(*s));
-	s->pending = cmd_int(
-	    q, &r, 2, (const char *[]){"LLEN", ro_queue_key(q, "pending", k[0], sizeof(k[0]))});
-	s->leased = cmd_int(
-	    q, &r, 2, (const char *[]){"ZCARD", ro_queue_key(q, "leases", k[1], sizeof(k[1]))});
-	s->done =
-	    cmd_int(q, &r, 3,
-		    (const char *[]){"HGET", ro_queue_key(q, "stats", k[2], sizeof(k[2])), "done"});
-	s->dead = cmd_int(q, &r, 2,
-			  (const char *[]){"LLEN", ro_queue_key(q, "dead", k[3], sizeof(k[3]))});
-	s->groups = cmd_int(
-	    q, &r, 2, (const char *[]){"XLEN", ro_queue_key(q, "groups", k[4], sizeof(k[4]))});
-	if (r)
+	s->pending = stat_int(
+	    q, s, &r, "list", 2,
+	    (const char *[]){"LLEN", ro_queue_key(q, "pending", k[0], sizeof(k[0]))});
+	s->leased = stat_int(
+	    q, s, &r, "zset", 2,
+	    (const char *[]){"ZCARD", ro_queue_key(q, "leases", k[1], sizeof(k[1]))});
+	s->done = stat_int(
+	    q, s, &r, "hash", 3,
+	    (const char *[]){"HGET", ro_queue_key(q, "stats", k[2], sizeof(k[2])), "done"});
+	s->dead = stat_int(q, s, &r, "list", 2,
+			   (const char *[]){"LLEN", ro_queue_key(q, "dead", k[3], sizeof(k[3]))});
+	s->groups = stat_int(
+	    q, s, &r, "stream", 2,
+	    (const char *[]){"XLEN", ro_queue_key(q, "groups", k[4], sizeof(k[4]))});
+	if (!r && (r = ro_queue_backlog(q, NULL, &s->samples, &s->lag)))
+		r = skip_key(q, s, r, "samples", "stream");
+	if (r) {
+		ro_queue_stats_clear(s);
 		return r;
-	r = ro_queue_backlog(q, NULL, &s->samples, &s->lag);
-	if (r)
-		return r;
+	}
 	{
 		redisReply *rep = NULL;
 
@@ -1828,22 +1899,23 @@ int ro_queue_ep_rendezvous(struct ro_queue *q, const char *group, uint32_t rank,
 			return r;
 	}
 	for (;;) {
-		const char *argv[] = {"HGETALL", key};
 		uint32_t have = 0;
 
-		r = cmd(q, &rep, 2, argv);
+		/* the ranks' fields by name: nothing else in the hash is read */
+		args_str(&a, "HMGET");
+		args_str(&a, key);
+		for (uint32_t k = 0; k < world; k++)
+			args_fmt(&a, "%u", k);
+		r = call(q, &a, &rep);
+		args_clear(&a);
 		if (r)
 			return r;
 		memset(ret_cards, 0, world * sizeof(*ret_cards));
-		for (size_t i = 0; rep->type == REDIS_REPLY_ARRAY && i + 1 < rep->elements; i += 2) {
-			const redisReply *f = rep->element[i], *v = rep->element[i + 1];
-			char *end;
-			unsigned long k;
+		for (size_t k = 0; rep->type == REDIS_REPLY_ARRAY && k < rep->elements && k < world;
+		     k++) {
+			const redisReply *v = rep->element[k];
 
-			if (!is_str(f) || !is_str(v))
-				continue;
-			k = strtoul(f->str, &end, 10);
-			if (*end || k >= world || ret_cards[k])
+			if (!is_str(v))
 				continue;
 			ret_cards[k] = malloc(v->len ? v->len : 1);
 			if (!ret_cards[k]) {
@@ -1921,30 +1993,38 @@ int ro_queue_policy_publish(struct ro_queue *q, int64_t version, const char *uri
 	return r;
 }
 
+/* The policy's fields by name (HMGET, not HGETALL: whatever else someone wrote into the
+ * hash, however many fields, is never read). */
+static const char *const policy_fields[] = {"version", "published_ms", "uri", "manifest", "by"};
+#define N_POLICY_FIELDS (sizeof(policy_fields) / sizeof(policy_fields[0]))
+
+static void args_policy(struct ro_queue *q, struct args *a)
+{
+	char key[300];
+
+	args_str(a, "HMGET");
+	args_fmt(a, "%s", ro_queue_key(q, "policy", key, sizeof(key)));
+	for (size_t i = 0; i < N_POLICY_FIELDS; i++)
+		args_str(a, policy_fields[i]);
+}
+
 static int parse_policy(struct op *op, redisReply *rep)
 {
 	struct ro_policy_info *p = calloc(1, sizeof(*p));
+	const redisReply *const *v;
 
-	if (!p || rep->type != REDIS_REPLY_ARRAY) {
+	if (!p || rep->type != REDIS_REPLY_ARRAY || rep->elements != N_POLICY_FIELDS) {
 		free(p);
 		return bad_reply(op->q, rep, "the policy");
 	}
-	for (size_t i = 0; i + 1 < rep->elements; i += 2) {
-		const char *k = rep->element[i]->str, *v = rep->element[i + 1]->str;
-
-		if (!k || !v)
-			continue;
-		if (!strcmp(k, "version"))
-			p->version = strtoll(v, NULL, 10);
-		else if (!strcmp(k, "published_ms"))
-			p->published_ms = strtoll(v, NULL, 10);
-		else if (!strcmp(k, "uri") && !p->uri)
-			p->uri = strdup(v);
-		else if (!strcmp(k, "manifest") && !p->manifest)
-			p->manifest = strdup(v);
-		else if (!strcmp(k, "by") && !p->by)
-			p->by = strdup(v);
-	}
+	v = (const redisReply *const *)rep->element;
+	if (is_str(v[0]))
+		p->version = strtoll(v[0]->str, NULL, 10);
+	if (is_str(v[1]))
+		p->published_ms = strtoll(v[1]->str, NULL, 10);
+	p->uri = is_str(v[2]) ? strdup(v[2]->str) : NULL;
+	p->manifest = is_str(v[3]) ? strdup(v[3]->str) : NULL;
+	p->by = is_str(v[4]) ? strdup(v[4]->str) : NULL;
 	freeReplyObject(rep);
 	op->res.policy = p;
 	return 0;
@@ -1953,11 +2033,9 @@ static int parse_policy(struct op *op, redisReply *rep)
 int ro_queue_policy_get_async(struct ro_queue *q, const struct ro_queue_cb *cb)
 {
 	struct args a = {0};
-	char key[300];
 	int r;
 
-	args_str(&a, "HGETALL");
-	args_str(&a, ro_queue_key(q, "policy", key, sizeof(key)));
+	args_policy(q, &a);
 	r = submit(q, &a, parse_policy, 0, cb, NULL);
 	args_clear(&a);
 	return r;
@@ -1971,9 +2049,14 @@ int ro_queue_policy_get(struct ro_queue *q, struct ro_policy_info *ret)
 	int r;
 
 	memset(ret, 0, sizeof(*ret));
-	args_str(&a, "HGETALL");
-	args_str(&a, ro_queue_key(q, "policy", key, sizeof(key)));
+	args_policy(q, &a);
 	r = run(q, &a, parse_policy, 0, &res);
+	if (r == -EPROTO) { /* say which key: another type than a hash, say */
+		char m[200];
+
+		(void)snprintf(m, sizeof(m), "%.199s", q->err);
+		(void)fail(q, r, "%s: %s", ro_queue_key(q, "policy", key, sizeof(key)), m);
+	}
 	if (!r && res.policy) {
 		*ret = *res.policy;
 		free(res.policy);
