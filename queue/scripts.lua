@@ -315,7 +315,7 @@ local function claim(keys, args)
 	local now = now_ms()
 	local wkey = worker_key(P, worker)
 	local out = {}
-	local last = redis.call('HMGET', wkey, 'claim_req', 'claim_ids')
+	local last = redis.call('HMGET', wkey, 'claim_req', 'claim_ids', 'claim_dead')
 	if last[1] == reqid then
 		for id in string.gmatch(last[2] or '', '[^,]+') do
 			local ukey = P .. 'unit:' .. id
@@ -324,10 +324,17 @@ local function claim(keys, args)
 				out[#out + 1] = held_reply(P, ukey, id, f, b, worker, now)
 			end
 		end
+		-- and what it dead-lettered instead of sending, so the worker hears of it
+		for id in string.gmatch(last[3] or '', '[^,]+') do
+			local f = unit_head(P .. 'unit:' .. id)
+			if f and f.state == 'dead' then
+				out[#out + 1] = {id, redis.call('HGET', P .. 'unit:' .. id, 'reason') or ''}
+			end
+		end
 		return out
 	end
 	reap(P, now, max_attempts, 2 * k)
-	local ids = {}
+	local ids, dead = {}, {}
 	local pops = 0
 	while #ids < k and pops < 4 * k do
 		local id = redis.call('LPOP', P .. 'pending')
@@ -349,6 +356,7 @@ local function claim(keys, args)
 		end
 		if why then
 			bury(P, ukey, id, now, why, worker, f.attempt)
+			dead[#dead + 1] = id
 			out[#out + 1] = {id, why}
 		elseif f.state == 'pending' then
 			-- the token is a counter and this claim's request id: a server that lost
@@ -367,7 +375,7 @@ local function claim(keys, args)
 		end
 	end
 	redis.call('HSET', wkey, 'claim_req', reqid, 'claim_ids', table.concat(ids, ','),
-		'last_seen_ms', now)
+		'claim_dead', table.concat(dead, ','), 'last_seen_ms', now)
 	redis.call('PEXPIRE', wkey, wttl)
 	return out
 end
