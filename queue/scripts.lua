@@ -178,10 +178,13 @@ local function unit_body(ukey, f, b)
 end
 
 -- the reply a claim gives for one unit: id, body, attempt, token, n, published, progress,
--- meta (copied by the holder into each of its samples), checkpoints left out (idx, bytes)
-local function reply_of(id, f, pub, prog, drop)
-	return {id, f.body or '', tonumber(f.attempt) or 1, f.token or '0', tonumber(f.n) or 0, pub,
-		prog, f.meta or '', drop}
+-- meta (copied by the holder into each of its samples), then, for a caller that sent its
+-- bounds, the checkpoints left out (idx, bytes); an older caller gets the 8 it parses
+local function reply_of(id, f, pub, prog, drop, b)
+	local r = {id, f.body or '', tonumber(f.attempt) or 1, f.token or '0', tonumber(f.n) or 0,
+		pub, prog, f.meta or ''}
+	if b.ckpt then r[9] = drop end
+	return r
 end
 
 -- the note a claim keeps in the history about the checkpoints it left out
@@ -213,7 +216,7 @@ local function held_reply(P, ukey, id, f, b, worker, now)
 		bury(P, ukey, id, now, why, worker, f.attempt)
 		return {id, why}
 	end
-	return reply_of(id, f, pub, prog, drop)
+	return reply_of(id, f, pub, prog, drop, b)
 end
 
 -- expired leases back to the head of pending (attempt + 1), or to dead past the limit
@@ -370,7 +373,7 @@ local function claim(keys, args)
 					drop_note(drop, b))))
 			redis.call('ZADD', P .. 'leases', now + lease, id)
 			ids[#ids + 1] = id
-			out[#out + 1] = reply_of(id, f, pub, prog, drop)
+			out[#out + 1] = reply_of(id, f, pub, prog, drop, b)
 			if suspect then break end
 		end
 	end

@@ -396,6 +396,7 @@ Test(hostile, claim_bounds_in_the_library)
 	ok(c, redisCommand(c, "RPUSH ro:{%s}:pending old", q));
 	r = fcall_claim(c, q, "req-2", NULL, NULL);
 	cr_assert_eq(r->elements, 1);
+	cr_expect_eq(r->element[0]->elements, 8, "the reply shape an older agent parses");
 	cr_expect_eq(r->element[0]->element[1]->len, 2047, "the body as it is");
 	cr_expect_eq(r->element[0]->element[6]->elements, 2, "the checkpoint as it is");
 	freeReplyObject(r);
