@@ -3,13 +3,49 @@
  * and the worker heartbeat hash in Redis (sent asynchronously; a Redis outage only delays
  * it). */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/random.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
 #include "agent/agent.h"
 #include "agent/log.h"
+
+/* A new temporary file beside path, for the rename into place. The directory may be one
+ * others can write to (a textfile collector's): whatever is already at a candidate name (a
+ * symlink to a file of someone else's, a file) is never followed, truncated or removed:
+ * O_EXCL refuses any existing name, O_NOFOLLOW and O_EXCL any symlink. The first candidate
+ * is <path>.<pid>.tmp, each later one has a random suffix. tmp gets the name. */
+static FILE *open_tmp(const char *path, char *tmp, size_t len)
+{
+	for (int i = 0; i < 8; i++) {
+		uint64_t rnd = 0;
+		int fd;
+		FILE *f;
+
+		if (!i)
+			(void)snprintf(tmp, len, "%s.%d.tmp", path, (int)getpid());
+		else if (getrandom(&rnd, sizeof(rnd), GRND_NONBLOCK) == (ssize_t)sizeof(rnd))
+			(void)snprintf(tmp, len, "%s.%d.%016llx.tmp", path, (int)getpid(),
+				       (unsigned long long)rnd);
+		else
+			return NULL;
+		fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+		if (fd < 0 && errno == EEXIST)
+			continue;
+		if (fd < 0)
+			return NULL;
+		f = fdopen(fd, "w");
+		if (!f) {
+			(void)close(fd);
+			(void)unlink(tmp);
+		}
+		return f;
+	}
+	return NULL;
+}
 
 void ro_metrics_write(struct ro_agent *a)
 {
@@ -29,10 +65,14 @@ void ro_metrics_write(struct ro_agent *a)
 	tps = a->tokens_per_s;
 	tokens = a->n.tokens;
 	pthread_mutex_unlock(&a->mu);
-	(void)snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid());
-	f = fopen(tmp, "w");
-	if (!f)
+	f = open_tmp(path, tmp, sizeof(tmp));
+	if (!f) {
+		static int64_t last_warned; /* the control plane's thread only */
+
+		ro_log_limited(&last_warned, 60000, LOG_WARNING,
+			       "metrics file %s: no temporary file beside it: %m", path);
 		return;
+	}
 #define M(type, name, help, fmt, v)                                                       \
 	(void)fprintf(f,                                                                  \
 		      "# HELP rolloutd_" name " " help "\n# TYPE rolloutd_" name " " type \

@@ -441,6 +441,13 @@ static int cmd_status(const struct ctl *c)
 			json_object_array_add(w, e);
 		}
 		json_object_object_add(o, "workers", w);
+		if (s.n_warnings) {
+			struct json_object *wa = json_object_new_array();
+
+			for (uint32_t i = 0; i < s.n_warnings; i++)
+				json_object_array_add(wa, json_object_new_string(s.warnings[i]));
+			json_object_object_add(o, "warnings", wa);
+		}
 		(void)printf("%s\n", json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN));
 		json_object_put(o);
 	} else {
@@ -457,6 +464,10 @@ static int cmd_status(const struct ctl *c)
 			(void)printf("  %-32s seen %.1fs ago  %s\n", s.workers[i].id,
 				     (double)s.workers[i].age_ms / 1000.0, s.workers[i].fields);
 	}
+	/* keys of another type than the schema's: said, the rest still shown, exit 0 */
+	(void)fflush(stdout);
+	for (uint32_t i = 0; i < s.n_warnings; i++)
+		(void)fprintf(stderr, "rolloutctl: status: %s\n", s.warnings[i]);
 	ro_queue_stats_clear(&s);
 	(void)ro_queue_free(q);
 	return EXIT_SUCCESS;

@@ -334,6 +334,17 @@ static void admit(struct ro_agent *a, struct ro_claim *c, int64_t sent_ms, bool 
 	}
 	u->c = *c;
 	memset(c, 0, sizeof(*c)); /* moved */
+	if (u->c.n_progress_dropped) {
+		/* over the bound (left out by the server) or unreadable: not fatal, those
+		 * samples start over and come out the same */
+		a->n.checkpoints_discarded += u->c.n_progress_dropped;
+		ro_log(LOG_WARNING,
+		       "unit %s: %u checkpoint%s discarded (longer than any this worker can resume, "
+		       "%zu bytes, or unreadable): %s over",
+		       u->c.id, u->c.n_progress_dropped, u->c.n_progress_dropped == 1 ? "" : "s",
+		       ro_progress_max_bytes(a->cfg.max_new_tokens),
+		       u->c.n_progress_dropped == 1 ? "that sample starts" : "those samples start");
+	}
 	u->lease_until = sent_ms + a->cfg.lease_ms - lease_margin(a);
 	u->cp = CP_HELD;
 	a->n.claimed++;
@@ -407,6 +418,12 @@ static void on_claimed(void *arg, struct ro_queue_result *res)
 		return;
 	}
 	a->last_redis_ok_ms = ro_now_ms();
+	/* units the queue dead-lettered instead of sending them here (over a bound) */
+	for (size_t i = 0; i < res->n_refused; i++) {
+		a->n.dead++;
+		ro_log(LOG_WARNING, "unit %s: dead-lettered by the queue, never sent here",
+		       res->refused[i]);
+	}
 	if (x->held && res->n_claims) {
 		a->n.resumed_held += res->n_claims;
 		ro_log(LOG_NOTICE, "this worker id still holds %zu units: resuming them",
@@ -416,7 +433,8 @@ static void on_claimed(void *arg, struct ro_queue_result *res)
 	for (size_t i = 0; i < res->n_claims; i++)
 		admit(a, &res->claims[i], res->sent_ms > x->sent_ms ? res->sent_ms : x->sent_ms,
 		      x->held);
-	if (!x->held && !res->n_claims)
+	/* nothing pending (a claim that only found units to refuse looks again at once) */
+	if (!x->held && !res->n_claims && !res->n_refused)
 		wait_marker(a);
 	free(x);
 }

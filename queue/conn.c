@@ -1767,6 +1767,35 @@ static ssize_t io_write(struct ro_conn *c, const char *buf, size_t len)
 	return n;
 }
 
+/* The reply being read holds more than max_reply bytes in the reader (hiredis 0.14 has no
+ * bound of its own; maxbuf only trims an idle buffer): it is someone's oversized value, and
+ * the command that asked would get it again, so that command is answered -EMSGSIZE and not
+ * sent again. The socket goes, the rest of the reply unread; every other command is sent
+ * again on the next one. */
+static void refuse_reply(struct ro_conn *c)
+{
+	struct cmd *m = c->head;
+	char why[200];
+
+	(void)snprintf(why, sizeof(why), "redis %s: the reply to %s is longer than %zu bytes: refused",
+		       ro_conn_node(c), m ? m->name : "?", c->o.max_reply);
+	if (!m || m->kind != K_USER) {
+		conn_fail(c, -EMSGSIZE, 0, "%s", why);
+		return;
+	}
+	{
+		ro_conn_reply_fn fn = m->fn;
+		void *arg = m->arg;
+		int64_t sent = m->sent_at;
+
+		unlink_cmd(c, m);
+		conn_fail(c, -EMSGSIZE, F_AT_ONCE, "%s", why);
+		cmd_free(m);
+		if (fn)
+			fn(arg, -EMSGSIZE, NULL, why, sent);
+	}
+}
+
 static void do_read(struct ro_conn *c)
 {
 	char buf[16384];
@@ -1804,6 +1833,10 @@ static void do_read(struct ro_conn *c)
 			dispatch(c, rep);
 			if (c->fd < 0)
 				return;
+		}
+		if (c->o.max_reply && c->rd->len - c->rd->pos > c->o.max_reply) {
+			refuse_reply(c);
+			return;
 		}
 		if ((size_t)n < sizeof(buf) && (!c->ssl || !SSL_has_pending(c->ssl)))
 			return;

@@ -52,6 +52,10 @@ struct ro_conn_opts {
 	/* The function library (FUNCTION LOAD REPLACE text) and its version, checked with
 	 * FCALL ro_version at every connect. */
 	const char *library, *library_version;
+	/* A reply that keeps more than max_reply bytes buffered (one value longer than
+	 * anything the caller reads) is refused: its command is answered -EMSGSIZE and not
+	 * sent again, the socket is dropped unread. 0: no bound. */
+	size_t max_reply;
 	void (*after_send)(void *arg, const char *fn, int fd);
 	void *after_send_arg;
 };

@@ -89,9 +89,21 @@ char *ro_json_pv(const struct ro_pv *pv, uint32_t n_pv, uint32_t len, int64_t df
 	return s;
 }
 
+/* What ro_progress_encode() allocates for len tokens: 12 bytes per token id and 16 per
+ * logprob at most, with their commas, plus the fixed fields and the policy ranges. */
+static size_t encoded_cap(uint32_t len)
+{
+	return (size_t)len * 30 + 96 + RO_MAX_PV * 48;
+}
+
+size_t ro_progress_max_bytes(uint32_t max_new_tokens)
+{
+	return encoded_cap(max_new_tokens);
+}
+
 char *ro_progress_encode(const struct ro_progress *p)
 {
-	size_t cap = (size_t)p->len * 30 + 96 + RO_MAX_PV * 32, off = 0;
+	size_t cap = encoded_cap(p->len), off = 0;
 	char *s = malloc(cap);
 
 	if (!s)

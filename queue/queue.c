@@ -174,6 +174,16 @@ static void fcall_start(struct ro_queue *q, struct args *a, const char *fn)
 
 /* ---- connection ------------------------------------------------------------------- */
 
+/* The longest value a reply may carry: a unit body, a checkpoint, or anything else the
+ * clients read (a policy manifest, a sample, a dead unit's history), with room to spare.
+ * The claims are bounded on the server (ro_unit_bounds); this is the client's own guard. */
+static size_t reply_cap(const struct ro_unit_bounds *b)
+{
+	size_t ckpt = ro_progress_max_bytes(b->max_new_tokens);
+
+	return (b->max_body > ckpt ? b->max_body : ckpt) + ((size_t)8 << 20);
+}
+
 int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 {
 	struct ro_queue *q;
@@ -195,8 +205,20 @@ int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 		q->o.max_attempts = 3;
 	if (!q->o.worker_ttl_ms)
 		q->o.worker_ttl_ms = 30000;
-	if (!q->o.bounds.max_body)
-		ro_unit_bounds_default(&q->o.bounds);
+	{
+		/* each bound not given is the default one (a claim enforces them all) */
+		struct ro_unit_bounds d;
+
+		ro_unit_bounds_default(&d);
+		if (!q->o.bounds.max_prompt)
+			q->o.bounds.max_prompt = d.max_prompt;
+		if (!q->o.bounds.max_n)
+			q->o.bounds.max_n = d.max_n;
+		if (!q->o.bounds.max_new_tokens)
+			q->o.bounds.max_new_tokens = d.max_new_tokens;
+		if (!q->o.bounds.max_body)
+			q->o.bounds.max_body = d.max_body;
+	}
 	q->rng = (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ (uint64_t)mono_ms() ^ (uintptr_t)q;
 	if (!q->rng)
 		q->rng = 1;
@@ -241,6 +263,7 @@ int ro_queue_new(const struct ro_queue_opts *o, struct ro_queue **ret)
 	co.timeout_ms = q->o.timeout_ms;
 	co.library = ro_queue_scripts_lua;
 	co.library_version = ro_queue_scripts_version;
+	co.max_reply = reply_cap(&q->o.bounds);
 	co.after_send = o->after_send;
 	co.after_send_arg = o->after_send_arg;
 	if (!q->o.wait_timeout_ms)
@@ -326,6 +349,9 @@ static void result_clear(struct ro_queue_result *res)
 		free(res->policy);
 	}
 	ro_claims_free(res->claims, res->n_claims);
+	for (size_t i = 0; i < res->n_refused; i++)
+		free(res->refused[i]);
+	free(res->refused);
 	free(res->ok);
 	free(res->ids);
 	free(res->status);
@@ -662,11 +688,11 @@ void ro_claims_free(struct ro_claim *c, size_t count)
 	free(c);
 }
 
-static int parse_claim(const redisReply *u, struct ro_claim *c)
+static int parse_claim(const redisReply *u, size_t max_ckpt, struct ro_claim *c)
 {
 	const redisReply *pub, *prog;
 
-	if (u->type != REDIS_REPLY_ARRAY || u->elements != 8 || !is_str(u->element[0]) ||
+	if (u->type != REDIS_REPLY_ARRAY || u->elements < 8 || !is_str(u->element[0]) ||
 	    !is_str(u->element[1]) || u->element[2]->type != REDIS_REPLY_INTEGER ||
 	    !is_str(u->element[3]) || u->element[4]->type != REDIS_REPLY_INTEGER)
 		return -EPROTO;
@@ -696,38 +722,77 @@ static int parse_claim(const redisReply *u, struct ro_claim *c)
 		c->published_ids[c->n_published++] = s;
 	}
 	for (size_t i = 0; i + 1 < prog->elements; i += 2) {
+		const redisReply *v = prog->element[i + 1];
 		uint32_t idx = (uint32_t)strtoul(prog->element[i]->str, NULL, 10);
 
-		/* an unreadable checkpoint only costs a restart of that sample */
-		if (ro_progress_decode(prog->element[i + 1]->str, idx,
-				       &c->progress[c->n_progress]) == 0)
+		/* an unreadable checkpoint only costs a restart of that sample; one longer than
+		 * any this worker can resume is not even parsed (the server leaves those out) */
+		if (is_str(v) && v->len <= max_ckpt &&
+		    ro_progress_decode(v->str, idx, &c->progress[c->n_progress]) == 0)
 			c->n_progress++;
+		else
+			c->n_progress_dropped++;
 	}
+	/* the checkpoints the server left out: (idx, bytes) each */
+	if (u->elements > 8 && u->element[8]->type == REDIS_REPLY_ARRAY)
+		c->n_progress_dropped += (uint32_t)(u->element[8]->elements / 2);
 	return 0;
 }
 
-static int parse_claims(struct ro_queue *q, redisReply *rep, struct ro_claim **ret,
-			size_t *ret_count)
+/* {id, reason}: a unit the server dead-lettered instead of sending it */
+static bool is_refusal(const redisReply *u)
 {
+	return u->type == REDIS_REPLY_ARRAY && u->elements == 2 && is_str(u->element[0]) &&
+	       is_str(u->element[1]);
+}
+
+static int parse_claims(struct ro_queue *q, redisReply *rep, struct ro_claim **ret,
+			size_t *ret_count, char ***ret_refused, size_t *ret_n_refused)
+{
+	size_t max_ckpt = ro_progress_max_bytes(q->o.bounds.max_new_tokens), n = 0, nr = 0;
 	struct ro_claim *c;
+	char **refused;
 	int r = 0;
 
 	if (rep->type != REDIS_REPLY_ARRAY)
 		return bad_reply(q, rep, "claim");
 	c = calloc(rep->elements + 1, sizeof(*c));
-	if (!c) {
+	refused = calloc(rep->elements + 1, sizeof(*refused));
+	if (!c || !refused) {
+		free(c);
+		free(refused);
 		freeReplyObject(rep);
 		return -ENOMEM;
 	}
-	for (size_t i = 0; i < rep->elements && !r; i++)
-		r = parse_claim(rep->element[i], &c[i]);
+	for (size_t i = 0; i < rep->elements && !r; i++) {
+		const redisReply *u = rep->element[i];
+
+		if (!is_refusal(u)) {
+			r = parse_claim(u, max_ckpt, &c[n++]);
+		} else if (asprintf(&refused[nr], "%s: %s", u->element[0]->str,
+				    u->element[1]->str) < 0) {
+			refused[nr] = NULL;
+			r = -ENOMEM;
+		} else {
+			nr++;
+		}
+	}
+	if (!r && ret_refused) {
+		*ret_refused = refused;
+		*ret_n_refused = nr;
+		refused = NULL;
+		nr = 0;
+	}
+	for (size_t i = 0; i < nr; i++)
+		free(refused[i]);
+	free(refused);
 	if (r) {
-		ro_claims_free(c, rep->elements);
+		ro_claims_free(c, n);
 		freeReplyObject(rep);
 		return fail(q, r, "bad claim reply");
 	}
 	*ret = c;
-	*ret_count = rep->elements;
+	*ret_count = n;
 	freeReplyObject(rep);
 	return (int)*ret_count;
 }
@@ -776,7 +841,17 @@ int ro_queue_enqueue(struct ro_queue *q, const struct ro_unit *units, size_t cou
 
 static int parse_claims_op(struct op *op, redisReply *rep)
 {
-	return parse_claims(op->q, rep, &op->res.claims, &op->res.n_claims);
+	return parse_claims(op->q, rep, &op->res.claims, &op->res.n_claims, &op->res.refused,
+			    &op->res.n_refused);
+}
+
+/* The bounds a claim enforces on the server (scripts.lua, bounds_of): max_body, the
+ * longest checkpoint this worker can resume, max_n. */
+static void args_bounds(struct ro_queue *q, struct args *a)
+{
+	args_fmt(a, "%u", q->o.bounds.max_body);
+	args_fmt(a, "%zu", ro_progress_max_bytes(q->o.bounds.max_new_tokens));
+	args_fmt(a, "%u", q->o.bounds.max_n);
 }
 
 static void args_claim(struct ro_queue *q, struct args *a, uint32_t k, uint32_t lease_ms)
@@ -789,6 +864,7 @@ static void args_claim(struct ro_queue *q, struct args *a, uint32_t k, uint32_t 
 	args_fmt(a, "%016llx", (unsigned long long)rng_next(q));
 	args_fmt(a, "%u", q->o.max_attempts);
 	args_fmt(a, "%u", q->o.worker_ttl_ms);
+	args_bounds(q, a);
 }
 
 int ro_queue_claim_async(struct ro_queue *q, uint32_t k, uint32_t lease_ms,
@@ -836,6 +912,7 @@ int ro_queue_held_async(struct ro_queue *q, const struct ro_queue_cb *cb)
 
 	fcall_start(q, &a, "ro_held");
 	args_str(&a, q->worker);
+	args_bounds(q, &a);
 	r = submit(q, &a, parse_claims_op, 0, cb, NULL);
 	args_clear(&a);
 	return r;
@@ -850,6 +927,7 @@ int ro_queue_held(struct ro_queue *q, struct ro_claim **ret, size_t *ret_count)
 	*ret_count = 0;
 	fcall_start(q, &a, "ro_held");
 	args_str(&a, q->worker);
+	args_bounds(q, &a);
 	return take_claims(&res, run(q, &a, parse_claims_op, 0, &res), ret, ret_count);
 }
 
@@ -1520,7 +1598,72 @@ void ro_queue_stats_clear(struct ro_queue_stats *s)
 		free(s->workers[i].fields);
 	}
 	free(s->workers);
+	for (uint32_t i = 0; i < s->n_warnings; i++)
+		free(s->warnings[i]);
+	free(s->warnings);
 	memset(s, 0, sizeof(*s));
+}
+
+__attribute__((format(printf, 2, 3))) static int stats_warn(struct ro_queue_stats *s,
+							    const char *fmt, ...)
+{
+	char **w = realloc(s->warnings, (s->n_warnings + 1) * sizeof(*w));
+	va_list ap;
+	int n;
+
+	if (!w)
+		return -ENOMEM;
+	s->warnings = w;
+	va_start(ap, fmt);
+	n = vasprintf(&w[s->n_warnings], fmt, ap);
+	va_end(ap);
+	if (n < 0)
+		return -ENOMEM;
+	s->n_warnings++;
+	return 0;
+}
+
+/* Status reads each key on its own: anyone with write access can put anything there, and
+ * one key of another type than the schema's (or a value too long to read) must not hide
+ * the rest. Such a key (a suffix of the prefix) is said in s->warnings and skipped; a
+ * failure of the connection (r not one of those) is everyone's, and returned. */
+static int skip_key(struct ro_queue *q, struct ro_queue_stats *s, int r, const char *suffix,
+		    const char *want)
+{
+	char key[600], type[32] = "";
+	char msg[sizeof(q->err)];
+	redisReply *t = NULL;
+
+	if (r != -EPROTO && r != -EMSGSIZE)
+		return r;
+	(void)snprintf(msg, sizeof(msg), "%s", q->err);
+	if (r == -EMSGSIZE)
+		return stats_warn(s, "%s: a value too long to read, skipped", suffix);
+	(void)snprintf(key, sizeof(key), "%s%s", q->prefix, suffix);
+	if (!cmd(q, &t, 2, (const char *[]){"TYPE", key})) {
+		if (is_str(t))
+			(void)snprintf(type, sizeof(type), "%s", t->str);
+		freeReplyObject(t);
+	}
+	if (type[0] && strcmp(type, want))
+		return stats_warn(s, "%s: not a %s (%s), skipped", suffix, want, type);
+	return stats_warn(s, "%s: %s, skipped", suffix, msg);
+}
+
+/* One count of the status from argv (argv[1] the key), or 0 with the key skipped. */
+static int64_t stat_int(struct ro_queue *q, struct ro_queue_stats *s, int *r, const char *want,
+			int argc, const char **argv)
+{
+	int e = 0;
+	int64_t v;
+
+	if (*r)
+		return 0;
+	v = cmd_int(q, &e, argc, argv);
+	if (!e)
+		return v;
+	*r = skip_key(q, s, e, argv[1] + strlen(q->prefix), want);
+	return 0;
 }
 
 static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
@@ -1540,7 +1683,7 @@ static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
 	freeReplyObject(t);
 	r = cmd(q, &rep, 5, argv);
 	if (r)
-		return r;
+		return skip_key(q, s, r, "workers", "zset");
 	s->workers = calloc(rep->elements / 2 + 1, sizeof(*s->workers));
 	if (!s->workers) {
 		freeReplyObject(rep);
@@ -1553,8 +1696,10 @@ static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
 
 		(void)snprintf(wkey, sizeof(wkey), "%sworker:%s", q->prefix, rep->element[i]->str);
 		r = cmd(q, &h, 2, hargv);
-		if (r)
-			break;
+		if (r) {
+			r = skip_key(q, s, r, wkey + strlen(q->prefix), "hash");
+			continue;
+		}
 		if (h->elements == 0) { /* heartbeat expired: the worker is gone */
 			freeReplyObject(h);
 			continue;
@@ -1598,22 +1743,26 @@ int ro_queue_stats(struct ro_queue *q, struct ro_queue_stats *s)
 	int r = 0;
 
 	memset(s, 0, sizeof(*s));
-	s->pending = cmd_int(
-	    q, &r, 2, (const char *[]){"LLEN", ro_queue_key(q, "pending", k[0], sizeof(k[0]))});
-	s->leased = cmd_int(
-	    q, &r, 2, (const char *[]){"ZCARD", ro_queue_key(q, "leases", k[1], sizeof(k[1]))});
-	s->done =
-	    cmd_int(q, &r, 3,
-		    (const char *[]){"HGET", ro_queue_key(q, "stats", k[2], sizeof(k[2])), "done"});
-	s->dead = cmd_int(q, &r, 2,
-			  (const char *[]){"LLEN", ro_queue_key(q, "dead", k[3], sizeof(k[3]))});
-	s->groups = cmd_int(
-	    q, &r, 2, (const char *[]){"XLEN", ro_queue_key(q, "groups", k[4], sizeof(k[4]))});
-	if (r)
+	s->pending = stat_int(
+	    q, s, &r, "list", 2,
+	    (const char *[]){"LLEN", ro_queue_key(q, "pending", k[0], sizeof(k[0]))});
+	s->leased = stat_int(
+	    q, s, &r, "zset", 2,
+	    (const char *[]){"ZCARD", ro_queue_key(q, "leases", k[1], sizeof(k[1]))});
+	s->done = stat_int(
+	    q, s, &r, "hash", 3,
+	    (const char *[]){"HGET", ro_queue_key(q, "stats", k[2], sizeof(k[2])), "done"});
+	s->dead = stat_int(q, s, &r, "list", 2,
+			   (const char *[]){"LLEN", ro_queue_key(q, "dead", k[3], sizeof(k[3]))});
+	s->groups = stat_int(
+	    q, s, &r, "stream", 2,
+	    (const char *[]){"XLEN", ro_queue_key(q, "groups", k[4], sizeof(k[4]))});
+	if (!r && (r = ro_queue_backlog(q, NULL, &s->samples, &s->lag)))
+		r = skip_key(q, s, r, "samples", "stream");
+	if (r) {
+		ro_queue_stats_clear(s);
 		return r;
-	r = ro_queue_backlog(q, NULL, &s->samples, &s->lag);
-	if (r)
-		return r;
+	}
 	{
 		redisReply *rep = NULL;
 
@@ -1750,22 +1899,23 @@ int ro_queue_ep_rendezvous(struct ro_queue *q, const char *group, uint32_t rank,
 			return r;
 	}
 	for (;;) {
-		const char *argv[] = {"HGETALL", key};
 		uint32_t have = 0;
 
-		r = cmd(q, &rep, 2, argv);
+		/* the ranks' fields by name: nothing else in the hash is read */
+		args_str(&a, "HMGET");
+		args_str(&a, key);
+		for (uint32_t k = 0; k < world; k++)
+			args_fmt(&a, "%u", k);
+		r = call(q, &a, &rep);
+		args_clear(&a);
 		if (r)
 			return r;
 		memset(ret_cards, 0, world * sizeof(*ret_cards));
-		for (size_t i = 0; rep->type == REDIS_REPLY_ARRAY && i + 1 < rep->elements; i += 2) {
-			const redisReply *f = rep->element[i], *v = rep->element[i + 1];
-			char *end;
-			unsigned long k;
+		for (size_t k = 0; rep->type == REDIS_REPLY_ARRAY && k < rep->elements && k < world;
+		     k++) {
+			const redisReply *v = rep->element[k];
 
-			if (!is_str(f) || !is_str(v))
-				continue;
-			k = strtoul(f->str, &end, 10);
-			if (*end || k >= world || ret_cards[k])
+			if (!is_str(v))
 				continue;
 			ret_cards[k] = malloc(v->len ? v->len : 1);
 			if (!ret_cards[k]) {
@@ -1843,30 +1993,38 @@ int ro_queue_policy_publish(struct ro_queue *q, int64_t version, const char *uri
 	return r;
 }
 
+/* The policy's fields by name (HMGET, not HGETALL: whatever else someone wrote into the
+ * hash, however many fields, is never read). */
+static const char *const policy_fields[] = {"version", "published_ms", "uri", "manifest", "by"};
+#define N_POLICY_FIELDS (sizeof(policy_fields) / sizeof(policy_fields[0]))
+
+static void args_policy(struct ro_queue *q, struct args *a)
+{
+	char key[300];
+
+	args_str(a, "HMGET");
+	args_fmt(a, "%s", ro_queue_key(q, "policy", key, sizeof(key)));
+	for (size_t i = 0; i < N_POLICY_FIELDS; i++)
+		args_str(a, policy_fields[i]);
+}
+
 static int parse_policy(struct op *op, redisReply *rep)
 {
 	struct ro_policy_info *p = calloc(1, sizeof(*p));
+	const redisReply *const *v;
 
-	if (!p || rep->type != REDIS_REPLY_ARRAY) {
+	if (!p || rep->type != REDIS_REPLY_ARRAY || rep->elements != N_POLICY_FIELDS) {
 		free(p);
 		return bad_reply(op->q, rep, "the policy");
 	}
-	for (size_t i = 0; i + 1 < rep->elements; i += 2) {
-		const char *k = rep->element[i]->str, *v = rep->element[i + 1]->str;
-
-		if (!k || !v)
-			continue;
-		if (!strcmp(k, "version"))
-			p->version = strtoll(v, NULL, 10);
-		else if (!strcmp(k, "published_ms"))
-			p->published_ms = strtoll(v, NULL, 10);
-		else if (!strcmp(k, "uri") && !p->uri)
-			p->uri = strdup(v);
-		else if (!strcmp(k, "manifest") && !p->manifest)
-			p->manifest = strdup(v);
-		else if (!strcmp(k, "by") && !p->by)
-			p->by = strdup(v);
-	}
+	v = (const redisReply *const *)rep->element;
+	if (is_str(v[0]))
+		p->version = strtoll(v[0]->str, NULL, 10);
+	if (is_str(v[1]))
+		p->published_ms = strtoll(v[1]->str, NULL, 10);
+	p->uri = is_str(v[2]) ? strdup(v[2]->str) : NULL;
+	p->manifest = is_str(v[3]) ? strdup(v[3]->str) : NULL;
+	p->by = is_str(v[4]) ? strdup(v[4]->str) : NULL;
 	freeReplyObject(rep);
 	op->res.policy = p;
 	return 0;
@@ -1875,11 +2033,9 @@ static int parse_policy(struct op *op, redisReply *rep)
 int ro_queue_policy_get_async(struct ro_queue *q, const struct ro_queue_cb *cb)
 {
 	struct args a = {0};
-	char key[300];
 	int r;
 
-	args_str(&a, "HGETALL");
-	args_str(&a, ro_queue_key(q, "policy", key, sizeof(key)));
+	args_policy(q, &a);
 	r = submit(q, &a, parse_policy, 0, cb, NULL);
 	args_clear(&a);
 	return r;
@@ -1893,9 +2049,14 @@ int ro_queue_policy_get(struct ro_queue *q, struct ro_policy_info *ret)
 	int r;
 
 	memset(ret, 0, sizeof(*ret));
-	args_str(&a, "HGETALL");
-	args_str(&a, ro_queue_key(q, "policy", key, sizeof(key)));
+	args_policy(q, &a);
 	r = run(q, &a, parse_policy, 0, &res);
+	if (r == -EPROTO) { /* say which key: another type than a hash, say */
+		char m[200];
+
+		(void)snprintf(m, sizeof(m), "%.199s", q->err);
+		(void)fail(q, r, "%s: %s", ro_queue_key(q, "policy", key, sizeof(key)), m);
+	}
 	if (!r && res.policy) {
 		*ret = *res.policy;
 		free(res.policy);

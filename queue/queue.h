@@ -19,6 +19,12 @@
 
 struct ro_queue;
 
+/* A claim (and a rescan of held units) enforces these on the server, before anything
+ * crosses the wire: a unit whose body or meta is over max_body, or whose record has more
+ * fields than max_n allows, is dead-lettered there with the reason and never sent; a
+ * checkpoint longer than ro_progress_max_bytes(max_new_tokens) is not sent (its sample
+ * starts over). The connection refuses any reply value longer than the largest of these
+ * plus 8 MiB. */
 struct ro_unit_bounds {
 	uint32_t max_prompt;	 /* tokens in the prompt */
 	uint32_t max_n;		 /* samples per unit */
@@ -114,6 +120,8 @@ struct ro_claim {
 	char **published_ids;	 /* their stream entry ids */
 	uint32_t n_progress;
 	struct ro_progress *progress;
+	/* checkpoints left out, over the bound (or unreadable): those samples start over */
+	uint32_t n_progress_dropped;
 	char *meta; /* the unit's meta JSON ("" when none), copied into each sample */
 };
 
@@ -142,6 +150,11 @@ struct ro_queue_stats {
 		int64_t age_ms; /* since its last heartbeat */
 		char *fields;	/* its heartbeat hash as a JSON object */
 	} * workers;
+	/* keys that could not be read (another type than the schema's, a value too long):
+	 * each skipped, its count left at 0, and said here ("worker:w1: not a hash (list),
+	 * skipped") */
+	char **warnings;
+	uint32_t n_warnings;
 };
 
 /* Parse and check one unit (JSON text of len bytes) against bounds. On -EINVAL, ret_why
@@ -289,6 +302,10 @@ struct ro_queue_result {
 	/* claim, held: the callback may take them (set claims NULL) */
 	struct ro_claim *claims;
 	size_t n_claims;
+	/* claim, held: units the server dead-lettered instead of sending them (over a bound
+	 * of ro_unit_bounds), each "<id>: <reason>" */
+	char **refused;
+	size_t n_refused;
 	bool *ok;	  /* renew: per unit, false when that lease is lost */
 	char (*ids)[24];  /* publish: each sample's entry id; complete: the group entry id */
 	int *status;	  /* reserved */
@@ -347,5 +364,8 @@ int ro_queue_policy_get_async(struct ro_queue *q, const struct ro_queue_cb *cb);
 
 /* Progress encoding (the checkpoint format stored in the unit hash). */
 char *ro_progress_encode(const struct ro_progress *p);
+/* The longest checkpoint ro_progress_encode() writes for a sample this worker can resume
+ * (a prefix shorter than max_new_tokens): a claim is not sent a longer one. */
+size_t ro_progress_max_bytes(uint32_t max_new_tokens);
 int ro_progress_decode(const char *s, uint32_t idx, struct ro_progress *ret);
 void ro_progress_clear(struct ro_progress *p);

@@ -11,6 +11,10 @@
 
 local VERSION = '@RO_SCRIPTS_VERSION@'
 local MARKER_MAX = 64
+local ID_MAX = 128    -- a unit id (enqueue checks [A-Za-z0-9._:-]{1,128})
+local TOKEN_MAX = 64  -- a lease token, "<counter>-<16 hex>"
+local SID_MAX = 48    -- a stream entry id, the value of a unit's s:<idx>
+local FIELD_MAX = 24  -- "s:<idx>", "p:<idx>"
 
 local function now_ms()
 	local t = redis.call('TIME')
@@ -19,6 +23,25 @@ end
 
 local function err(code, msg)
 	return redis.error_reply(code .. ' ' .. msg)
+end
+
+local function type_of(key)
+	return redis.call('TYPE', key).ok
+end
+
+-- Anyone with write access to the queue's keys can put anything there. A key of the queue
+-- that holds another type than its own is refused by name before anything is written, so
+-- no function stops halfway (an id popped from pending but never pushed anywhere else).
+-- Arguments: suffix, type, suffix, type, ...
+local function want(P, ...)
+	local spec = {...}
+	for i = 1, #spec, 2 do
+		local t = type_of(P .. spec[i])
+		if t ~= spec[i + 1] and t ~= 'none' then
+			return err('WRONGTYPE', P .. spec[i] .. ' is a ' .. t .. ', not a ' .. spec[i + 1])
+		end
+	end
+	return nil
 end
 
 -- history: JSON objects joined by commas on the unit hash (the dead list wraps them in
@@ -37,7 +60,7 @@ local function hist_append(old, entry)
 	local h = (old and old ~= '') and (old .. ',' .. entry) or entry
 	if #h > HIST_BYTES then
 		local cut = string.find(h, ',{"t":', #h - HIST_BYTES, true)
-		if cut then h = string.sub(h, cut + 1) end
+		h = cut and string.sub(h, cut + 1) or entry -- none: not a history we wrote
 	end
 	return h
 end
@@ -47,10 +70,12 @@ local function hist(ukey, now, ev, worker, attempt, why)
 	redis.call('HSET', ukey, 'hist', h)
 end
 
--- wake idle workers blocked on the marker list (scripts cannot block, workers can)
+-- wake idle workers blocked on the marker list (scripts cannot block, workers can); best
+-- effort, after the write it announces: a marker key of another type only makes idle
+-- workers look again a second later
 local function wake(P)
-	redis.call('RPUSH', P .. 'marker', '1')
-	redis.call('LTRIM', P .. 'marker', -MARKER_MAX, -1)
+	redis.pcall('RPUSH', P .. 'marker', '1')
+	redis.pcall('LTRIM', P .. 'marker', -MARKER_MAX, -1)
 end
 
 -- The fencing rule: a write is accepted only from the holder of the current lease token,
@@ -70,33 +95,128 @@ local function stale(id)
 	return err('STALE', 'lease on ' .. id .. ' is not held by this token')
 end
 
-local function hash_fields(all)
-	local f, pub, prog = {}, {}, {}
-	for i = 1, #all, 2 do
-		local k, v = all[i], all[i + 1]
-		local c = string.sub(k, 1, 2)
-		if c == 's:' then
-			pub[#pub + 1] = string.sub(k, 3)
-			pub[#pub + 1] = v
-		elseif c == 'p:' then
-			prog[#prog + 1] = string.sub(k, 3)
-			prog[#prog + 1] = v
-		else
-			f[k] = v
+-- What a claim may send, from the claimer's bounds (ARGV from `from` on: max-body, the
+-- longest checkpoint it can resume, max-n; an older caller sends none and nothing is
+-- checked). A value over its bound never crosses the wire: its length is asked (HSTRLEN),
+-- the value itself is not even read. A unit whose body (or meta, or record) is too large is
+-- dead-lettered here with the reason; a checkpoint too large is left out, and its sample
+-- starts over, as after any checkpoint the holder cannot read.
+local function bounds_of(args, from)
+	return {body = tonumber(args[from]), ckpt = tonumber(args[from + 1]),
+		n = tonumber(args[from + 2])}
+end
+
+local function over(len, lim)
+	return lim ~= nil and len > lim
+end
+
+-- The small fields of a unit record, or nil when ukey is no unit (missing, or a key of
+-- another type that someone wrote there).
+local function unit_head(ukey)
+	if type_of(ukey) ~= 'hash' then return nil end
+	local v = redis.call('HMGET', ukey, 'state', 'attempt', 'token', 'n', 'hist', 'npub', 'ckpt',
+		'owner')
+	return {state = v[1], attempt = v[2], token = v[3], n = v[4], hist = v[5], npub = v[6],
+		ckpt = v[7], owner = v[8]}
+end
+
+-- The rest of f (body, meta) and its published samples and checkpoints, each checked
+-- against b first. Returns pub, prog, dropped (idx, bytes of each checkpoint left out) and,
+-- when the unit cannot be sent at all, why.
+local function unit_body(ukey, f, b)
+	local pub, prog, drop = {}, {}, {}
+	local blen = redis.call('HSTRLEN', ukey, 'body')
+	local mlen = redis.call('HSTRLEN', ukey, 'meta')
+	if over(blen, b.body) then
+		return pub, prog, drop, 'body of ' .. blen .. ' bytes is over max-body (' .. b.body ..
+			' bytes)'
+	end
+	if over(mlen, b.body) then
+		return pub, prog, drop, 'meta of ' .. mlen .. ' bytes is over max-body (' .. b.body ..
+			' bytes)'
+	end
+	-- a fresh unit is this; only a unit with published samples or checkpoints (a resumed
+	-- one) needs its field names listed
+	if (tonumber(f.npub) or 0) > 0 or f.ckpt then
+		local nf = redis.call('HLEN', ukey)
+		local get = {}
+		if b.n and nf > 2 * b.n + 64 then
+			return pub, prog, drop, 'record has ' .. nf .. ' fields, more than max-n (' ..
+				b.n .. ') allows'
+		end
+		for _, k in ipairs(redis.call('HKEYS', ukey)) do
+			local c = string.sub(k, 1, 2)
+			if (c == 's:' or c == 'p:') and #k <= FIELD_MAX then
+				local len = redis.call('HSTRLEN', ukey, k)
+				if c == 's:' and b.body and len > SID_MAX then
+					return pub, prog, drop, 'field ' .. k .. ' of ' .. len ..
+						' bytes is not a stream entry id'
+				elseif c == 'p:' and over(len, b.ckpt) then
+					drop[#drop + 1] = string.sub(k, 3)
+					drop[#drop + 1] = len
+				else
+					get[#get + 1] = k
+				end
+			end
+		end
+		-- in slices: unpack has a limit on its arguments
+		for i = 1, #get, 1000 do
+			local part = {unpack(get, i, math.min(i + 999, #get))}
+			local vals = redis.call('HMGET', ukey, unpack(part))
+			for j, k in ipairs(part) do
+				if vals[j] then
+					local dst = string.sub(k, 1, 2) == 's:' and pub or prog
+					dst[#dst + 1] = string.sub(k, 3)
+					dst[#dst + 1] = vals[j]
+				end
+			end
 		end
 	end
-	return f, pub, prog
+	local bm = redis.call('HMGET', ukey, 'body', 'meta')
+	f.body, f.meta = bm[1], bm[2]
+	return pub, prog, drop, nil
 end
 
 -- the reply a claim gives for one unit: id, body, attempt, token, n, published, progress,
--- meta (copied by the holder into each of its samples)
-local function reply_of(id, f, pub, prog)
-	return {id, f.body or '', tonumber(f.attempt) or 1, f.token or '0', tonumber(f.n) or 0, pub,
-		prog, f.meta or ''}
+-- meta (copied by the holder into each of its samples), then, for a caller that sent its
+-- bounds, the checkpoints left out (idx, bytes); an older caller gets the 8 it parses
+local function reply_of(id, f, pub, prog, drop, b)
+	local r = {id, f.body or '', tonumber(f.attempt) or 1, f.token or '0', tonumber(f.n) or 0,
+		pub, prog, f.meta or ''}
+	if b.ckpt then r[9] = drop end
+	return r
 end
 
-local function unit_reply(ukey, id)
-	return reply_of(id, hash_fields(redis.call('HGETALL', ukey)))
+-- the note a claim keeps in the history about the checkpoints it left out
+local function drop_note(drop, b)
+	if #drop == 0 then return nil end
+	local s = {}
+	for i = 1, #drop, 2 do s[#s + 1] = 'sample ' .. drop[i] .. ' (' .. drop[i + 1] .. ' bytes)' end
+	return 'checkpoint of ' .. table.concat(s, ', ') .. ' over the ' .. b.ckpt ..
+		'-byte bound: not sent, the sample starts over'
+end
+
+-- A unit that cannot be sent to any worker under these bounds: to dead with the reason.
+-- The dead list's type was checked by the caller, so this cannot stop halfway.
+local function bury(P, ukey, id, now, why, worker, attempt)
+	redis.call('RPUSH', P .. 'dead', id)
+	redis.call('HSET', ukey, 'state', 'dead', 'owner', '', 'reason', why, 'dead_ms', now)
+	redis.call('ZREM', P .. 'leases', id)
+	hist(ukey, now, 'dead', worker, attempt, why)
+end
+
+-- What a claim returns for a unit this worker already holds (a retried claim, a rescan):
+-- the unit, or {id, why} when it was dead-lettered instead of sent.
+local function held_reply(P, ukey, id, f, b, worker, now)
+	local pub, prog, drop, why = unit_body(ukey, f, b)
+	if not why and b.body and #(f.token or '') > TOKEN_MAX then
+		why = 'lease token of ' .. #f.token .. ' bytes is not one of ours'
+	end
+	if why then
+		bury(P, ukey, id, now, why, worker, f.attempt)
+		return {id, why}
+	end
+	return reply_of(id, f, pub, prog, drop, b)
 end
 
 -- expired leases back to the head of pending (attempt + 1), or to dead past the limit
@@ -106,7 +226,8 @@ local function reap(P, now, max_attempts, limit)
 	for _, id in ipairs(ids) do
 		redis.call('ZREM', P .. 'leases', id)
 		local ukey = P .. 'unit:' .. id
-		local st = redis.call('HMGET', ukey, 'state', 'attempt', 'owner')
+		local st = type_of(ukey) == 'hash' and redis.call('HMGET', ukey, 'state', 'attempt',
+			'owner') or {}
 		if st[1] == 'leased' then
 			local attempt = tonumber(st[2]) or 1
 			if attempt >= max_attempts then
@@ -129,11 +250,22 @@ local function reap(P, now, max_attempts, limit)
 	return requeued, dead
 end
 
-local function touch_worker(P, worker, now, ttl)
+-- The worker's own heartbeat hash. One of another type (someone else wrote it) is
+-- replaced: otherwise this worker could neither claim nor renew its leases.
+local function worker_key(P, worker)
 	local wkey = P .. 'worker:' .. worker
+	local t = type_of(wkey)
+	if t ~= 'hash' and t ~= 'none' then redis.call('DEL', wkey) end
+	return wkey
+end
+
+local function touch_worker(P, worker, now, ttl)
+	local wkey = worker_key(P, worker)
 	redis.call('HSET', wkey, 'last_seen_ms', now)
 	redis.call('PEXPIRE', wkey, ttl)
-	redis.call('ZADD', P .. 'workers', now, worker)
+	-- the directory of workers is for status only: a workers key of another type must
+	-- not cost a renewal
+	redis.pcall('ZADD', P .. 'workers', now, worker)
 	return wkey
 end
 
@@ -141,14 +273,19 @@ end
 -- same body, -1 the id exists with another body (nothing written for it).
 local function enqueue(keys, args)
 	local P = keys[1]
+	local bad = want(P, 'pending', 'list')
+	if bad then return bad end
 	local now = now_ms()
 	local out = {}
 	local queued = 0
 	for i = 1, #args, 4 do
 		local id, body, n, meta = args[i], args[i + 1], args[i + 2], args[i + 3]
 		local ukey = P .. 'unit:' .. id
-		local old = redis.call('HGET', ukey, 'body')
-		if old then
+		local t = type_of(ukey)
+		local old = t == 'hash' and redis.call('HGET', ukey, 'body')
+		if t ~= 'hash' and t ~= 'none' then
+			out[#out + 1] = -1 -- the id is taken (by a key that is no unit)
+		elseif old then
 			out[#out + 1] = (old == body) and 0 or -1
 		else
 			redis.call('HSET', ukey, 'body', body, 'n', n, 'meta', meta, 'state', 'pending',
@@ -162,47 +299,53 @@ local function enqueue(keys, args)
 	return out
 end
 
--- ARGV: worker, k, lease_ms, reqid, max_attempts, worker_ttl_ms.
+-- ARGV: worker, k, lease_ms, reqid, max_attempts, worker_ttl_ms, then the bounds
+-- (max_body, max_ckpt, max_n; see bounds_of).
 -- A retry with the same reqid (the reply was lost) returns the units that request took
 -- instead of taking more; a claim first reaps a few expired leases so no unit waits for a
--- separate reaper.
+-- separate reaper. Reply: per unit, reply_of's list, or {id, reason} for a unit that was
+-- dead-lettered because it cannot be sent within the bounds.
 local function claim(keys, args)
 	local P = keys[1]
 	local worker, k, lease = args[1], tonumber(args[2]), tonumber(args[3])
 	local reqid, max_attempts, wttl = args[4], tonumber(args[5]), tonumber(args[6])
+	local b = bounds_of(args, 7)
 	if not k or k < 1 or not lease or lease < 1 or not max_attempts or not wttl then
 		return err('BADARG', 'claim: k, lease_ms, max_attempts and ttl must be positive')
 	end
+	local bad = want(P, 'pending', 'list', 'leases', 'zset', 'dead', 'list')
+	if bad then return bad end
 	local now = now_ms()
-	local wkey = P .. 'worker:' .. worker
+	local wkey = worker_key(P, worker)
 	local out = {}
-	local last = redis.call('HMGET', wkey, 'claim_req', 'claim_ids')
+	local last = redis.call('HMGET', wkey, 'claim_req', 'claim_ids', 'claim_dead')
 	if last[1] == reqid then
 		for id in string.gmatch(last[2] or '', '[^,]+') do
 			local ukey = P .. 'unit:' .. id
-			if redis.call('HGET', ukey, 'owner') == worker then
-				out[#out + 1] = unit_reply(ukey, id)
+			local f = unit_head(ukey)
+			if f and f.owner == worker then
+				out[#out + 1] = held_reply(P, ukey, id, f, b, worker, now)
+			end
+		end
+		-- and what it dead-lettered instead of sending, so the worker hears of it
+		for id in string.gmatch(last[3] or '', '[^,]+') do
+			local f = unit_head(P .. 'unit:' .. id)
+			if f and f.state == 'dead' then
+				out[#out + 1] = {id, redis.call('HGET', P .. 'unit:' .. id, 'reason') or ''}
 			end
 		end
 		return out
 	end
 	reap(P, now, max_attempts, 2 * k)
-	local ids = {}
+	local ids, dead = {}, {}
 	local pops = 0
 	while #ids < k and pops < 4 * k do
 		local id = redis.call('LPOP', P .. 'pending')
 		if not id then break end
 		pops = pops + 1
 		local ukey = P .. 'unit:' .. id
-		-- a fresh unit is one HMGET; only a unit with published samples or checkpoints
-		-- (a resumed one) needs the whole hash scanned
-		local v = redis.call('HMGET', ukey, 'state', 'attempt', 'token', 'body', 'n', 'hist',
-			'npub', 'ckpt', 'meta')
-		local f, pub, prog = {state = v[1], attempt = v[2], token = v[3], body = v[4], n = v[5],
-			hist = v[6], meta = v[9]}, {}, {}
-		if v[1] == 'pending' and ((tonumber(v[7]) or 0) > 0 or v[8]) then
-			f, pub, prog = hash_fields(redis.call('HGETALL', ukey))
-		end
+		-- an id no enqueue wrote, or no unit record behind it: nothing to run, dropped
+		local f = #id <= ID_MAX and unit_head(ukey) or {}
 		-- A unit whose lease already expired once may be what kills its workers: it is
 		-- claimed alone, so a poison unit takes no batch of healthy units down with it.
 		local suspect = (tonumber(f.attempt) or 1) > 1
@@ -210,7 +353,15 @@ local function claim(keys, args)
 			redis.call('LPUSH', P .. 'pending', id)
 			break
 		end
+		local pub, prog, drop, why
 		if f.state == 'pending' then
+			pub, prog, drop, why = unit_body(ukey, f, b)
+		end
+		if why then
+			bury(P, ukey, id, now, why, worker, f.attempt)
+			dead[#dead + 1] = id
+			out[#out + 1] = {id, why}
+		elseif f.state == 'pending' then
 			-- the token is a counter and this claim's request id: a server that lost
 			-- its last writes (AOF everysec) counts from an older value again, and
 			-- must not hand a token it already gave out to another worker
@@ -218,15 +369,16 @@ local function claim(keys, args)
 				'-' .. reqid
 			redis.call('HSET', ukey, 'state', 'leased', 'owner', worker, 'claimed_ms', now,
 				'token', f.token, 'exp', now + lease,
-				'hist', hist_append(f.hist, hist_entry(now, 'claim', worker, f.attempt)))
+				'hist', hist_append(f.hist, hist_entry(now, 'claim', worker, f.attempt,
+					drop_note(drop, b))))
 			redis.call('ZADD', P .. 'leases', now + lease, id)
 			ids[#ids + 1] = id
-			out[#out + 1] = reply_of(id, f, pub, prog)
+			out[#out + 1] = reply_of(id, f, pub, prog, drop, b)
 			if suspect then break end
 		end
 	end
 	redis.call('HSET', wkey, 'claim_req', reqid, 'claim_ids', table.concat(ids, ','),
-		'last_seen_ms', now)
+		'claim_dead', table.concat(dead, ','), 'last_seen_ms', now)
 	redis.call('PEXPIRE', wkey, wttl)
 	return out
 end
@@ -235,6 +387,8 @@ end
 local function renew(keys, args)
 	local P = keys[1]
 	local worker, lease, wttl = args[1], tonumber(args[2]), tonumber(args[3])
+	local bad = want(P, 'leases', 'zset')
+	if bad then return bad end
 	local now = now_ms()
 	touch_worker(P, worker, now, wttl)
 	local out = {}
@@ -282,7 +436,7 @@ local function do_complete(P, ukey, id, now, n, owner, attempt, token)
 		'samples', table.concat(sids, ','), 'worker', owner, 'attempt', attempt)
 	redis.call('HSET', ukey, 'state', 'done', 'group', gid, 'done_ms', now, 'done_token', token)
 	redis.call('ZREM', P .. 'leases', id)
-	redis.call('HINCRBY', P .. 'stats', 'done', 1)
+	redis.pcall('HINCRBY', P .. 'stats', 'done', 1) -- a count for status: best effort
 	return gid
 end
 
@@ -295,6 +449,8 @@ local function publish(keys, args)
 	local P = keys[1]
 	local id, token, auto = args[1], args[2], args[3] == '1'
 	local ukey = P .. 'unit:' .. id
+	local bad = want(P, 'samples', 'stream', 'groups', 'stream', 'leases', 'zset')
+	if bad then return bad end
 	local now = now_ms()
 	local u = redis.call('HMGET', ukey, 'state', 'token', 'exp', 'n', 'owner', 'attempt', 'npub')
 	if not holds(u, token, now) then return stale(id) end
@@ -350,6 +506,8 @@ local function complete(keys, args)
 	local u = redis.call('HMGET', ukey, 'state', 'token', 'exp', 'n', 'owner', 'attempt',
 		'npub', 'done_token', 'group')
 	if u[1] == 'done' and u[8] == token then return u[9] end
+	local bad = want(P, 'groups', 'stream', 'leases', 'zset')
+	if bad then return bad end
 	local now = now_ms()
 	if not holds(u, token, now) then return stale(id) end
 	if (tonumber(u[7]) or 0) < tonumber(u[4]) then
@@ -359,6 +517,8 @@ local function complete(keys, args)
 end
 
 local function give_back(P, ukey, id, token, head, ev, args, from)
+	local bad = want(P, 'pending', 'list', 'leases', 'zset')
+	if bad then return bad end
 	local now = now_ms()
 	if not lease_ok(P, ukey, id, token, now) then
 		local st = redis.call('HMGET', ukey, 'state', 'token')
@@ -394,6 +554,8 @@ end
 
 -- ARGV: max_attempts, limit. Reply: {requeued, dead}.
 local function reap_fn(keys, args)
+	local bad = want(keys[1], 'leases', 'zset', 'pending', 'list', 'dead', 'list')
+	if bad then return bad end
 	local r, d = reap(keys[1], now_ms(), tonumber(args[1]), tonumber(args[2]))
 	return {r, d}
 end
@@ -403,6 +565,8 @@ local function dead_letter(keys, args)
 	local P = keys[1]
 	local id, token, why = args[1], args[2], args[3]
 	local ukey = P .. 'unit:' .. id
+	local bad = want(P, 'dead', 'list', 'leases', 'zset')
+	if bad then return bad end
 	local now = now_ms()
 	if not lease_ok(P, ukey, id, token, now) then return stale(id) end
 	local st = redis.call('HMGET', ukey, 'owner', 'attempt')
@@ -426,6 +590,8 @@ local function fail_fn(keys, args)
 		return err('BADARG', 'fail: want <max_attempts>:<reason>')
 	end
 	local ukey = P .. 'unit:' .. id
+	local bad = want(P, 'dead', 'list', 'pending', 'list', 'leases', 'zset')
+	if bad then return bad end
 	local now = now_ms()
 	if not lease_ok(P, ukey, id, token, now) then
 		local st = redis.call('HMGET', ukey, 'state', 'fail_token')
@@ -452,15 +618,24 @@ local function fail_fn(keys, args)
 	return 1
 end
 
--- ARGV: start, count. Reply: (id, reason, attempt, history JSON) per dead unit.
+-- ARGV: start, count. Reply: (id, reason, attempt, history JSON) per dead unit; a record
+-- of another type is listed with that as its reason.
 local function dead_list(keys, args)
 	local P = keys[1]
+	local bad = want(P, 'dead', 'list')
+	if bad then return bad end
 	local ids = redis.call('LRANGE', P .. 'dead', tonumber(args[1]),
 		tonumber(args[1]) + tonumber(args[2]) - 1)
 	local out = {}
 	for _, id in ipairs(ids) do
-		local f = redis.call('HMGET', P .. 'unit:' .. id, 'reason', 'attempt', 'hist')
-		out[#out + 1] = {id, f[1] or '', f[2] or '0', '[' .. (f[3] or '') .. ']'}
+		local ukey = P .. 'unit:' .. id
+		local t = type_of(ukey)
+		if t == 'hash' or t == 'none' then
+			local f = redis.call('HMGET', ukey, 'reason', 'attempt', 'hist')
+			out[#out + 1] = {id, f[1] or '', f[2] or '0', '[' .. (f[3] or '') .. ']'}
+		else
+			out[#out + 1] = {id, ukey .. ' is a ' .. t .. ', not a hash', '0', '[]'}
+		end
 	end
 	return out
 end
@@ -469,6 +644,8 @@ end
 local function dead_retry(keys, args)
 	local P = keys[1]
 	local id = args[1]
+	local bad = want(P, 'dead', 'list', 'pending', 'list', 'unit:' .. id, 'hash')
+	if bad then return bad end
 	if redis.call('LREM', P .. 'dead', 1, id) == 0 then
 		return err('NOTFOUND', id .. ' is not in the dead-letter list')
 	end
@@ -486,6 +663,8 @@ local function dead_purge(keys, args)
 	local P = keys[1]
 	local limit = tonumber(args[1])
 	local n = 0
+	local bad = want(P, 'dead', 'list')
+	if bad then return bad end
 	while n < limit do
 		local id = redis.call('LPOP', P .. 'dead')
 		if not id then break end
@@ -495,18 +674,23 @@ local function dead_purge(keys, args)
 	return n
 end
 
--- ARGV: worker. Every unit whose lease this worker holds (after a reconnect the worker
--- rescans what it holds; a claim reply may have been lost).
+-- ARGV: worker, then the bounds (as claim's). Every unit whose lease this worker holds
+-- (after a reconnect the worker rescans what it holds; a claim reply may have been lost),
+-- in claim's reply shape.
 local function held(keys, args)
 	local P = keys[1]
 	local worker = args[1]
+	local b = bounds_of(args, 2)
+	local bad = want(P, 'leases', 'zset', 'dead', 'list')
+	if bad then return bad end
 	local now = now_ms()
 	local ids = redis.call('ZRANGEBYSCORE', P .. 'leases', now, '+inf')
 	local out = {}
 	for _, id in ipairs(ids) do
 		local ukey = P .. 'unit:' .. id
-		if redis.call('HGET', ukey, 'owner') == worker then
-			out[#out + 1] = unit_reply(ukey, id)
+		local f = unit_head(ukey)
+		if f and f.owner == worker then
+			out[#out + 1] = held_reply(P, ukey, id, f, b, worker, now)
 		end
 	end
 	return out
@@ -519,7 +703,7 @@ local function heartbeat(keys, args)
 	local wkey = touch_worker(P, args[1], now, tonumber(args[2]))
 	for i = 3, #args, 2 do redis.call('HSET', wkey, args[i], args[i + 1]) end
 	-- forget workers silent for a day; their hashes expired long ago
-	redis.call('ZREMRANGEBYSCORE', P .. 'workers', '-inf', now - 86400000)
+	redis.pcall('ZREMRANGEBYSCORE', P .. 'workers', '-inf', now - 86400000)
 	return now
 end
 
@@ -531,6 +715,8 @@ local function policy_publish(keys, args)
 	if not v or v < 1 or v ~= math.floor(v) then
 		return err('BADARG', 'policy publish: the version must be a positive integer')
 	end
+	local bad = want(P, 'policy', 'hash')
+	if bad then return bad end
 	local cur = tonumber(redis.call('HGET', P .. 'policy', 'version') or '0') or 0
 	if v <= cur then
 		return err('BADARG', 'policy publish: version ' .. args[1] ..
