@@ -257,6 +257,14 @@ static bool unit_fits(struct ro_agent *a, struct unit_rt *u, char *why, size_t l
 				       u->u.prompt[i], a->vocab);
 			return false;
 		}
+	if ((uint64_t)u->u.prompt_len + u->u.max_new_tokens > ro_model_config(a->m)->max_pos) {
+		(void)snprintf(why, len,
+			       "prompt of %u tokens + max_new_tokens %u exceed the model's "
+			       "max_position_embeddings (%u)",
+			       u->u.prompt_len, u->u.max_new_tokens,
+			       ro_model_config(a->m)->max_pos);
+		return false;
+	}
 	if (u->c.n != u->u.n) {
 		(void)snprintf(why, len, "the unit's record says n=%u, its body n=%u", u->c.n,
 			       u->u.n);

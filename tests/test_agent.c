@@ -627,6 +627,56 @@ Test(agent, bad_units_dead_lettered_with_reasons_policy_respected)
 	redisFree(c);
 }
 
+/* A unit whose prompt and max_new_tokens together run past the model's context
+ * (max_position_embeddings) is dead-lettered with that reason, not half-run. */
+Test(agent, unit_past_the_models_context_dead_lettered)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	struct ro_queue *qq;
+	char q[64], small[256], cmd[1024];
+	struct ro_test_agent a;
+	static const char *const units[] = {
+	    "{\"id\":\"past\",\"prompt\":[1,2],\"n\":1,\"max_new_tokens\":63}",
+	    "{\"id\":\"fits\",\"prompt\":[1,2],\"n\":2,\"max_new_tokens\":8}",
+	};
+	redisReply *r;
+
+	(void)snprintf(small, sizeof(small), "%s/ctx64", dir);
+	(void)snprintf(cmd, sizeof(cmd),
+		       "cp -r %s %s && sed -i 's/\"max_position_embeddings\": [0-9]*/"
+		       "\"max_position_embeddings\": 64/' %s/config.json",
+		       model, small, small);
+	cr_assert_eq(system(cmd), 0, "%s", cmd);
+	ro_test_name("ctx", q, sizeof(q));
+	qq = ro_test_queue(ro_test_redis_url(), q, "enq", 3);
+	for (size_t i = 0; i < 2; i++) {
+		struct ro_unit u = {0};
+		char why[256];
+		int st;
+
+		cr_assert_eq(ro_unit_parse(units[i], strlen(units[i]),
+					   &(struct ro_unit_bounds){100, 64, 100000, 1 << 20}, &u, why,
+					   sizeof(why)),
+			     0, "%s", why);
+		cr_assert_eq(ro_queue_enqueue(qq, &u, 1, &st), 0);
+		ro_unit_clear(&u);
+	}
+	ro_test_agent_start(&a, dir, small, redis_url(), "a", q,
+			    (const char *const[]){"--imds", "false", NULL}, NULL);
+	cr_assert(wait_done(c, q, 1, 20000));
+	for (int i = 0; i < 100 && ro_test_int(c, "LLEN ro:{%s}:dead", q) < 1; i++)
+		ro_test_msleep(50);
+	cr_expect_eq(ro_test_int(c, "LLEN ro:{%s}:dead", q), 1);
+	r = redisCommand(c, "HGET ro:{%s}:unit:past reason", q);
+	cr_expect(r && r->str && strstr(r->str, "max_position_embeddings (64)"), "%s",
+		  r && r->str ? r->str : "(none)");
+	freeReplyObject(r);
+	kill(a.pid, SIGTERM);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
+	ro_queue_free(qq);
+	redisFree(c);
+}
+
 /* ---- expert-parallel groups (--ep-local-ranks) ------------------------------------------ */
 
 static const char *const fi_env[] = {"FI_TCP_IFACE", "lo", "FI_SOCKETS_IFACE", "lo", NULL};
