@@ -112,7 +112,7 @@ struct ro_agent {
 	int64_t next_version, old_version;
 	bool policy_loading, policy_busy, loader_done, loader_started;
 	pthread_t loader;
-	int64_t policy_retry_ms, next_policy_ms;
+	int64_t policy_retry_ms, next_policy_ms, policy_read_log_ms;
 	uint32_t policy_backoff_ms;
 	char policy_error[300];
 	volatile uint64_t policy_bytes_done, policy_bytes_total;

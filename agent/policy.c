@@ -113,6 +113,14 @@ static void on_policy(void *arg, struct ro_queue_result *res)
 	struct load *l;
 
 	a->policy_busy = false;
+	if (res->r < 0 && res->r != -ETIMEDOUT && res->r != -ECONNRESET &&
+	    ro_now_ms() >= a->policy_read_log_ms) {
+		/* a policy key of another type, a manifest over the reply cap: said, once a
+		 * minute, and the running weights kept */
+		ro_log(LOG_WARNING, "policy: cannot read the published policy: %s",
+		       res->msg && *res->msg ? res->msg : strerror(-res->r));
+		a->policy_read_log_ms = ro_now_ms() + 60000;
+	}
 	if (res->r < 0 || !p)
 		return;
 	a->published_version = p->version;

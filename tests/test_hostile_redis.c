@@ -540,6 +540,11 @@ Test(hostile, agent_runs_with_its_keys_of_another_type)
 	r = redisCommand(c, "TYPE ro:{%s}:worker:a", q);
 	cr_expect(r && r->str && !strcmp(r->str, "hash"), "its heartbeat is a hash again");
 	freeReplyObject(r);
+	/* the policy key it cannot read is said in its log (checked at start) */
+	for (int i = 0; i < 200 && !ro_test_agent_log_has(&a, "cannot read the published policy");
+	     i++)
+		ro_test_msleep(50);
+	cr_expect(ro_test_agent_log_has(&a, "cannot read the published policy"));
 	kill(a.pid, SIGTERM);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
