@@ -39,6 +39,7 @@ struct ro_model {
 	struct ro_mat head;
 	float *final_norm;
 	bool *used;   /* per tensor of st: read by the model (the rest is refused) */
+	const char *dir; /* while loading: the directory, for messages */
 	void **owned; /* widened f16 matrices */
 	size_t n_owned;
 	struct ro_moe_exchange xch;
@@ -387,7 +388,7 @@ static int tensor(struct ro_model *m, const char *name, uint32_t ndim, uint64_t 
 	const uint64_t want[2] = {d0, d1};
 
 	if (!t)
-		return ro_errf(err, errlen, -ENOENT, "tensor %s is missing", name);
+		return ro_errf(err, errlen, -ENOENT, "%s: tensor %s is missing", m->dir, name);
 	if (t->ndim != ndim || t->shape[0] != d0 || (ndim > 1 && t->shape[1] != d1)) {
 		char have[96], w[64];
 
@@ -651,6 +652,7 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 
 	if (!m)
 		return -ENOMEM;
+	m->dir = dir;
 	ncpu = sysconf(_SC_NPROCESSORS_ONLN);
 	threads = o && o->threads ? o->threads : (uint32_t)(ncpu > 0 ? ncpu : 1);
 	if (threads > MAX_THREADS) {
@@ -703,6 +705,7 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 	r = check_finite(m, err, errlen);
 	if (r)
 		goto fail;
+	m->dir = NULL;
 	*ret = m;
 	return 0;
 fail:

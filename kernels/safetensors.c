@@ -414,6 +414,8 @@ static int by_name(const void *a, const void *b)
 /* Sorted by name for lookups; a name twice (in one header or two shards) is an error. */
 static int sort_unique(struct ro_st_set *s, const char *dir, char *err, size_t errlen)
 {
+	if (s->n < 2)
+		return 0; /* (and no qsort of a NULL array) */
 	qsort(s->t, s->n, sizeof(*s->t), by_name);
 	for (size_t i = 1; i < s->n; i++)
 		if (!strcmp(s->t[i - 1].name, s->t[i].name))
