@@ -154,13 +154,30 @@ int ro_progress_decode(const char *s, uint32_t idx, struct ro_progress *ret)
 		r = -ENOMEM;
 		goto out;
 	}
+	/* every element of the type it must have: anyone may have written the hash */
 	for (size_t i = 0; i < n; i++) {
-		p.tokens[i] = json_object_get_int(json_object_array_get_idx(t, i));
-		p.logprobs[i] = (float)json_object_get_double(json_object_array_get_idx(l, i));
+		struct json_object *tk = json_object_array_get_idx(t, i),
+				   *lp = json_object_array_get_idx(l, i);
+		int64_t v;
+
+		if (!json_object_is_type(tk, json_type_int) ||
+		    (!json_object_is_type(lp, json_type_double) &&
+		     !json_object_is_type(lp, json_type_int)))
+			goto out;
+		v = json_object_get_int64(tk);
+		if (v < 0 || v > INT32_MAX)
+			goto out;
+		p.tokens[i] = (int32_t)v;
+		p.logprobs[i] = (float)json_object_get_double(lp);
 	}
+	if (!json_object_is_type(pos, json_type_int) || json_object_get_int64(pos) < 0)
+		goto out;
 	p.sampler_pos = (uint64_t)json_object_get_int64(pos);
-	if (json_object_object_get_ex(o, "pv", &pv))
+	if (json_object_object_get_ex(o, "pv", &pv)) {
+		if (!json_object_is_type(pv, json_type_int))
+			goto out;
 		p.policy_version = json_object_get_int64(pv);
+	}
 	if (json_object_object_get_ex(o, "pvs", &pv) && json_object_is_type(pv, json_type_array)) {
 		size_t k = json_object_array_length(pv);
 
@@ -169,7 +186,9 @@ int ro_progress_decode(const char *s, uint32_t idx, struct ro_progress *ret)
 			int64_t st;
 
 			if (!json_object_is_type(e, json_type_array) ||
-			    json_object_array_length(e) != 2)
+			    json_object_array_length(e) != 2 ||
+			    !json_object_is_type(json_object_array_get_idx(e, 0), json_type_int) ||
+			    !json_object_is_type(json_object_array_get_idx(e, 1), json_type_int))
 				goto out;
 			st = json_object_get_int64(json_object_array_get_idx(e, 0));
 			/* in order, inside the prefix */
