@@ -316,10 +316,14 @@ static int cfg_parse(const struct cfg *x, struct ro_model_config *c)
 		    (r = cfg_bool(x, "use_sliding_window", &swin)))
 			return r;
 		/* Qwen3-MoE's window applies from max_window_layers in some transformers
-		 * releases and to every layer in others: not a thing to guess */
-		if (swin && cfg_get(x, "sliding_window"))
+		 * releases and to every layer in others: not a thing to guess. Absent,
+		 * sliding_window is Qwen3MoeConfig's 4096: only an explicit null is none. */
+		if (swin && !(json_object_object_get_ex(x->o, "sliding_window", &v) &&
+			      json_object_is_type(v, json_type_null)))
 			return cfg_bad(x, "use_sliding_window",
-				       "sliding-window attention is not supported for Qwen3-MoE");
+				       "sliding-window attention is not supported for Qwen3-MoE "
+				       "(sliding_window %s)",
+				       cfg_get(x, "sliding_window") ? "set" : "absent: 4096");
 	} else {
 		if ((r = cfg_u32(x, "num_local_experts", &c->experts, true, 1, 4096)) ||
 		    (r = cfg_u32(x, "sliding_window", &c->sliding_window, false, 1, UINT32_MAX)))

@@ -1624,3 +1624,14 @@ Test(hostile, messages_name_what_is_wrong)
 	expect_refused("wrongshard", -EBADMSG, "weight_map puts");
 	(void)im;
 }
+
+Test(hostile, qwen3_use_sliding_window_without_a_window_is_refused)
+{
+	/* Qwen3MoeConfig's sliding_window defaults to 4096: absent is a window, not none */
+	make("q3swdef", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	set_config("q3swdef", "use_sliding_window", "true");
+	expect_refused("q3swdef", -EINVAL, "config.json: use_sliding_window");
+	/* an explicit null is no window (Qwen3-30B-A3B's own config.json says so, with false) */
+	set_config("q3swdef", "sliding_window", "null");
+	ro_model_free(load("q3swdef", false));
+}
