@@ -1635,3 +1635,25 @@ Test(hostile, qwen3_use_sliding_window_without_a_window_is_refused)
 	set_config("q3swdef", "sliding_window", "null");
 	ro_model_free(load("q3swdef", false));
 }
+
+Test(hostile, model_safetensors_beside_an_index_is_what_loads)
+{
+	char p[256];
+	struct st_image im;
+
+	/* as from_pretrained: the single file wins over an index left beside it (here a stale
+	 * one whose shards are gone) */
+	make("one", RO_ARCH_QWEN3_MOE, "F32", 1, 0);
+	make("both", RO_ARCH_QWEN3_MOE, "F32", 2, 0);
+	cr_assert_eq(unlink(path("both/model-00001-of-00002.safetensors")), 0);
+	cr_assert_eq(unlink(path("both/model-00002-of-00002.safetensors")), 0);
+	im = st_read("one");
+	(void)snprintf(p, sizeof(p), "%s", path("both/model.safetensors.index.json"));
+	st_write("both", &im, 0);
+	cr_assert_eq(access(p, F_OK), 0);
+	cr_expect_eq(rel_diff("both", "one", 256), 0);
+	/* neither: the message names both */
+	cr_assert_eq(unlink(path("both/model.safetensors")), 0);
+	cr_assert_eq(unlink(p), 0);
+	expect_refused("both", -ENOENT, "no model.safetensors or model.safetensors.index.json");
+}
