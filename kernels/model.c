@@ -196,7 +196,10 @@ static int cfg_rope(const struct cfg *x, struct ro_model_config *c)
 
 static int cfg_layers(const struct cfg *x, struct ro_model_config *c)
 {
-	struct json_object *v = cfg_get(x, "mlp_only_layers"), *lt = cfg_get(x, "layer_types");
+	/* mlp_only_layers is Qwen3-MoE's: MixtralConfig has none, and Hugging Face's Mixtral
+	 * makes every layer sparse whatever config.json says */
+	struct json_object *v = c->arch == RO_ARCH_QWEN3_MOE ? cfg_get(x, "mlp_only_layers") : NULL,
+			   *lt = cfg_get(x, "layer_types");
 
 	if (v) {
 		if (!json_object_is_type(v, json_type_array))

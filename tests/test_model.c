@@ -1657,3 +1657,12 @@ Test(hostile, model_safetensors_beside_an_index_is_what_loads)
 	cr_assert_eq(unlink(p), 0);
 	expect_refused("both", -ENOENT, "no model.safetensors or model.safetensors.index.json");
 }
+
+Test(hostile, mixtral_ignores_mlp_only_layers)
+{
+	/* MixtralConfig has no mlp_only_layers: every Mixtral layer is sparse */
+	make("mxmlp", RO_ARCH_MIXTRAL, "F32", 1, 0);
+	make("mx", RO_ARCH_MIXTRAL, "F32", 1, 0);
+	set_config("mxmlp", "mlp_only_layers", "[0]");
+	cr_expect_eq(rel_diff("mxmlp", "mx", 256), 0);
+}
