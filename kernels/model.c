@@ -1302,6 +1302,8 @@ int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 
 	if (l >= c->layers || m->L[l].dense)
 		return -EINVAL;
+	if (n > UINT32_MAX) /* rows are counted in 32 bits */
+		return -E2BIG;
 	for (size_t i = 0; i < n; i++)
 		if (experts[i] < 0 || (uint32_t)experts[i] >= E)
 			return -EINVAL;
@@ -1472,8 +1474,12 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	for (size_t i = 0; i < count; i++) {
 		if (!items[i].seq || (!items[i].tokens && items[i].n))
 			return -EINVAL;
-		if (items[i].seq->len + items[i].n > items[i].seq->max)
+		if ((uint64_t)items[i].seq->len + items[i].n > items[i].seq->max)
 			return -ENOSPC;
+		/* (token, head) and (token, expert) pairs are counted in 32 bits (the pool's
+		 * indexes, the experts' row offsets) */
+		if (((uint64_t)T + items[i].n) * (c->heads > K ? c->heads : K) > UINT32_MAX)
+			return -E2BIG;
 		for (uint32_t j = 0; j < items[i].n; j++)
 			if (items[i].tokens[j] < 0 || (uint32_t)items[i].tokens[j] >= c->vocab)
 				return -EINVAL;

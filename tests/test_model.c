@@ -1696,3 +1696,35 @@ Test(hostile, generate_on_non_finite_logits_fails_and_frees)
 	cr_expect(strstr(text, "the logits are not finite"), "%s", text);
 	cr_expect(!strstr(text, "LeakSanitizer"), "%s", text);
 }
+
+Test(hostile, batches_past_32_bit_pair_counts_are_refused)
+{
+	struct ro_make_model_opts o;
+	const uint32_t T = (1u << 20) + 1; /* x top_k 4096: past 2^32 (token, expert) pairs */
+	int32_t *tok = calloc(T, sizeof(*tok)), e = 0;
+	const float *x[1] = {NULL};
+	struct ro_model *m;
+	struct ro_seq *s;
+	struct ro_fwd_item it;
+
+	ro_make_model_defaults(&o);
+	o.layers = 1;
+	o.hidden = 2;
+	o.heads = o.kv_heads = 1;
+	o.head_dim = 2;
+	o.experts = o.top_k = 4096;
+	o.expert_ffn = 1;
+	o.vocab = 2;
+	make_opts("pairs", &o);
+	set_config("pairs", "max_position_embeddings", "2097152");
+	m = load("pairs", false);
+	cr_assert_eq(ro_seq_new(m, T, &s), 0);
+	it = (struct ro_fwd_item){s, tok, T, NULL, false};
+	cr_expect_eq(ro_model_forward(m, &it, 1), -E2BIG);
+	cr_expect_eq(ro_seq_len(s), 0);
+	/* and the experts' entry point, before it reads a row */
+	cr_expect_eq(ro_model_experts(m, 0, x, &e, (size_t)UINT32_MAX + 1, NULL), -E2BIG);
+	ro_seq_free(s);
+	ro_model_free(m);
+	free(tok);
+}
