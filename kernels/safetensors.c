@@ -515,7 +515,8 @@ int ro_st_open_dir(const char *dir, struct ro_st_set **ret, char *err, size_t er
 		(void)snprintf(path, sizeof(path), "%s/model.safetensors.index.json", dir);
 		if (lstat(path, &st) && errno == ENOENT)
 			r = ro_errf(err, errlen, -ENOENT,
-				    "%s: no model.safetensors or model.safetensors.index.json", dir);
+				    "%s: no model.safetensors or model.safetensors.index.json",
+				    dir);
 		else
 			r = open_index(s, dir, path, err, errlen);
 	}

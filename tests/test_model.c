@@ -1682,7 +1682,8 @@ Test(hostile, generate_on_non_finite_logits_fails_and_frees)
 	make("nanlogit", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
 	im = st_read("nanlogit");
 	for (size_t i = 0; i < 64; i++)
-		memcpy(im.data + st_begin(&im, "model.norm.weight") + 2 * i, &(uint16_t){0x7f7f}, 2);
+		memcpy(im.data + st_begin(&im, "model.norm.weight") + 2 * i, &(uint16_t){0x7f7f},
+		       2);
 	st_write("nanlogit", &im, 0);
 	(void)snprintf(cmd, sizeof(cmd), "%s generate --model %s --prompt 1,2,3 2>%s",
 		       ctl && *ctl ? ctl : "./rolloutctl", path("nanlogit"), path("err"));
