@@ -413,6 +413,7 @@ int ro_ctl_generate(int argc, char **argv)
 					      t == -EDOM ? "the logits are not finite (NaN or "
 							   "infinity in the forward pass)"
 							 : strerror(-t));
+				free(items);
 				goto out;
 			}
 			toks[i][len[i]++] = t;

@@ -197,7 +197,10 @@ static int cfg_rope(const struct cfg *x, struct ro_model_config *c)
 
 static int cfg_layers(const struct cfg *x, struct ro_model_config *c)
 {
-	struct json_object *v = cfg_get(x, "mlp_only_layers"), *lt = cfg_get(x, "layer_types");
+	/* mlp_only_layers is Qwen3-MoE's: MixtralConfig has none, and Hugging Face's Mixtral
+	 * makes every layer sparse whatever config.json says */
+	struct json_object *v = c->arch == RO_ARCH_QWEN3_MOE ? cfg_get(x, "mlp_only_layers") : NULL,
+			   *lt = cfg_get(x, "layer_types");
 
 	if (v) {
 		if (!json_object_is_type(v, json_type_array))
@@ -317,10 +320,14 @@ static int cfg_parse(const struct cfg *x, struct ro_model_config *c)
 		    (r = cfg_bool(x, "use_sliding_window", &swin)))
 			return r;
 		/* Qwen3-MoE's window applies from max_window_layers in some transformers
-		 * releases and to every layer in others: not a thing to guess */
-		if (swin && cfg_get(x, "sliding_window"))
+		 * releases and to every layer in others: not a thing to guess. Absent,
+		 * sliding_window is Qwen3MoeConfig's 4096: only an explicit null is none. */
+		if (swin && !(json_object_object_get_ex(x->o, "sliding_window", &v) &&
+			      json_object_is_type(v, json_type_null)))
 			return cfg_bad(x, "use_sliding_window",
-				       "sliding-window attention is not supported for Qwen3-MoE");
+				       "sliding-window attention is not supported for Qwen3-MoE "
+				       "(sliding_window %s)",
+				       cfg_get(x, "sliding_window") ? "set" : "absent: 4096");
 	} else {
 		if ((r = cfg_u32(x, "num_local_experts", &c->experts, true, 1, 4096)) ||
 		    (r = cfg_u32(x, "sliding_window", &c->sliding_window, false, 1, UINT32_MAX)))
@@ -1298,6 +1305,8 @@ int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 
 	if (l >= c->layers || m->L[l].dense)
 		return -EINVAL;
+	if (n > UINT32_MAX) /* rows are counted in 32 bits */
+		return -E2BIG;
 	for (size_t i = 0; i < n; i++)
 		if (experts[i] < 0 || (uint32_t)experts[i] >= E)
 			return -EINVAL;
@@ -1468,8 +1477,12 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	for (size_t i = 0; i < count; i++) {
 		if (!items[i].seq || (!items[i].tokens && items[i].n))
 			return -EINVAL;
-		if (items[i].seq->len + items[i].n > items[i].seq->max)
+		if ((uint64_t)items[i].seq->len + items[i].n > items[i].seq->max)
 			return -ENOSPC;
+		/* (token, head) and (token, expert) pairs are counted in 32 bits (the pool's
+		 * indexes, the experts' row offsets) */
+		if (((uint64_t)T + items[i].n) * (c->heads > K ? c->heads : K) > UINT32_MAX)
+			return -E2BIG;
 		for (uint32_t j = 0; j < items[i].n; j++)
 			if (items[i].tokens[j] < 0 || (uint32_t)items[i].tokens[j] >= c->vocab)
 				return -EINVAL;

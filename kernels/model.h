@@ -86,7 +86,8 @@ struct ro_fwd_item {
 
 /* Run every item's tokens through the model as one batch (prefill chunks and decode tokens
  * mixed). Each token's logits are bitwise the same whatever else is in the batch and
- * however its sequence's prompt was chunked. */
+ * however its sequence's prompt was chunked. -E2BIG: the batch's tokens times the larger of
+ * heads and top_k pass 2^32 (the pairs are counted in 32 bits). */
 int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count);
 
 /* ---- expert layer ---------------------------------------------------------------------- */

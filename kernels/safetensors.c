@@ -506,14 +506,21 @@ int ro_st_open_dir(const char *dir, struct ro_st_set **ret, char *err, size_t er
 
 	if (!s)
 		return -ENOMEM;
-	(void)snprintf(path, sizeof(path), "%s/model.safetensors.index.json", dir);
+	/* as Hugging Face's from_pretrained: model.safetensors first, the index only without
+	 * it (an index left beside a re-saved single file is stale) */
+	(void)snprintf(path, sizeof(path), "%s/model.safetensors", dir);
 	if (lstat(path, &st) == 0 || errno != ENOENT) {
-		r = open_index(s, dir, path, err, errlen);
-	} else {
-		(void)snprintf(path, sizeof(path), "%s/model.safetensors", dir);
 		r = open_file(s, path, err, errlen);
 		if (!r)
 			r = sort_unique(s, dir, err, errlen);
+	} else {
+		(void)snprintf(path, sizeof(path), "%s/model.safetensors.index.json", dir);
+		if (lstat(path, &st) && errno == ENOENT)
+			r = ro_errf(err, errlen, -ENOENT,
+				    "%s: no model.safetensors or model.safetensors.index.json",
+				    dir);
+		else
+			r = open_index(s, dir, path, err, errlen);
 	}
 	if (r) {
 		ro_st_free(s);

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "kernels/model.h"
@@ -1623,4 +1624,108 @@ Test(hostile, messages_name_what_is_wrong)
 		  "\"model-00001-of-00002.safetensors\"}}");
 	expect_refused("wrongshard", -EBADMSG, "weight_map puts");
 	(void)im;
+}
+
+Test(hostile, qwen3_use_sliding_window_without_a_window_is_refused)
+{
+	/* Qwen3MoeConfig's sliding_window defaults to 4096: absent is a window, not none */
+	make("q3swdef", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	set_config("q3swdef", "use_sliding_window", "true");
+	expect_refused("q3swdef", -EINVAL, "config.json: use_sliding_window");
+	/* an explicit null is no window (Qwen3-30B-A3B's own config.json says so, with false) */
+	set_config("q3swdef", "sliding_window", "null");
+	ro_model_free(load("q3swdef", false));
+}
+
+Test(hostile, model_safetensors_beside_an_index_is_what_loads)
+{
+	char p[256];
+	struct st_image im;
+
+	/* as from_pretrained: the single file wins over an index left beside it (here a stale
+	 * one whose shards are gone) */
+	make("one", RO_ARCH_QWEN3_MOE, "F32", 1, 0);
+	make("both", RO_ARCH_QWEN3_MOE, "F32", 2, 0);
+	cr_assert_eq(unlink(path("both/model-00001-of-00002.safetensors")), 0);
+	cr_assert_eq(unlink(path("both/model-00002-of-00002.safetensors")), 0);
+	im = st_read("one");
+	(void)snprintf(p, sizeof(p), "%s", path("both/model.safetensors.index.json"));
+	st_write("both", &im, 0);
+	cr_assert_eq(access(p, F_OK), 0);
+	cr_expect_eq(rel_diff("both", "one", 256), 0);
+	/* neither: the message names both */
+	cr_assert_eq(unlink(path("both/model.safetensors")), 0);
+	cr_assert_eq(unlink(p), 0);
+	expect_refused("both", -ENOENT, "no model.safetensors or model.safetensors.index.json");
+}
+
+Test(hostile, mixtral_ignores_mlp_only_layers)
+{
+	/* MixtralConfig has no mlp_only_layers: every Mixtral layer is sparse */
+	make("mxmlp", RO_ARCH_MIXTRAL, "F32", 1, 0);
+	make("mx", RO_ARCH_MIXTRAL, "F32", 1, 0);
+	set_config("mxmlp", "mlp_only_layers", "[0]");
+	cr_expect_eq(rel_diff("mxmlp", "mx", 256), 0);
+}
+
+Test(hostile, generate_on_non_finite_logits_fails_and_frees)
+{
+	const char *ctl = getenv("RO_ROLLOUTCTL");
+	char cmd[1024], text[8192] = "";
+	struct st_image im;
+	FILE *f;
+	int st;
+
+	/* finite weights, but a final norm at bf16's largest overflows the hidden state, and
+	 * the logits come out NaN: the sampler refuses, rolloutctl says so and frees (a leak
+	 * is what LeakSanitizer reports in a --enable-sanitizers build) */
+	make("nanlogit", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	im = st_read("nanlogit");
+	for (size_t i = 0; i < 64; i++)
+		memcpy(im.data + st_begin(&im, "model.norm.weight") + 2 * i, &(uint16_t){0x7f7f},
+		       2);
+	st_write("nanlogit", &im, 0);
+	(void)snprintf(cmd, sizeof(cmd), "%s generate --model %s --prompt 1,2,3 2>%s",
+		       ctl && *ctl ? ctl : "./rolloutctl", path("nanlogit"), path("err"));
+	st = system(cmd);
+	cr_assert(WIFEXITED(st), "%s", cmd);
+	f = fopen(path("err"), "r");
+	cr_assert_not_null(f);
+	(void)fread(text, 1, sizeof(text) - 1, f);
+	(void)fclose(f);
+	cr_expect_eq(WEXITSTATUS(st), 1, "%s", text);
+	cr_expect(strstr(text, "the logits are not finite"), "%s", text);
+	cr_expect(!strstr(text, "LeakSanitizer"), "%s", text);
+}
+
+Test(hostile, batches_past_32_bit_pair_counts_are_refused)
+{
+	struct ro_make_model_opts o;
+	const uint32_t T = (1u << 20) + 1; /* x top_k 4096: past 2^32 (token, expert) pairs */
+	int32_t *tok = calloc(T, sizeof(*tok)), e = 0;
+	const float *x[1] = {NULL};
+	struct ro_model *m;
+	struct ro_seq *s;
+	struct ro_fwd_item it;
+
+	ro_make_model_defaults(&o);
+	o.layers = 1;
+	o.hidden = 2;
+	o.heads = o.kv_heads = 1;
+	o.head_dim = 2;
+	o.experts = o.top_k = 4096;
+	o.expert_ffn = 1;
+	o.vocab = 2;
+	make_opts("pairs", &o);
+	set_config("pairs", "max_position_embeddings", "2097152");
+	m = load("pairs", false);
+	cr_assert_eq(ro_seq_new(m, T, &s), 0);
+	it = (struct ro_fwd_item){s, tok, T, NULL, false};
+	cr_expect_eq(ro_model_forward(m, &it, 1), -E2BIG);
+	cr_expect_eq(ro_seq_len(s), 0);
+	/* and the experts' entry point, before it reads a row */
+	cr_expect_eq(ro_model_experts(m, 0, x, &e, (size_t)UINT32_MAX + 1, NULL), -E2BIG);
+	ro_seq_free(s);
+	ro_model_free(m);
+	free(tok);
 }
