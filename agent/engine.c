@@ -97,10 +97,17 @@ uint64_t ro_engine_unit_bytes(const struct ro_agent *a, const struct ro_unit *u,
 {
 	uint64_t len = (uint64_t)u->prompt_len + u->max_new_tokens + 1;
 
-	/* the prompt's cache, one per sample owed, and the step's scratch for a chunk */
-	return (uint64_t)(owed + 1) * ro_model_seq_bytes(a->m, (uint32_t)len) +
-	       ro_model_forward_bytes(a->m, a->cfg.prefill_chunk + a->cfg.max_inflight) +
-	       (uint64_t)(owed + 1) * a->vocab * sizeof(float);
+	uint64_t seq = ro_model_seq_bytes(a->m, len > UINT32_MAX ? UINT32_MAX : (uint32_t)len),
+		 fwd = ro_model_forward_bytes(a->m, a->cfg.prefill_chunk + a->cfg.max_inflight),
+		 caches, total;
+
+	/* the prompt's cache, one per sample owed, and the step's scratch for a chunk;
+	 * saturating: a checkpoint's sizes must not wrap admission control into a yes */
+	if (__builtin_mul_overflow(seq, (uint64_t)owed + 1, &caches) ||
+	    __builtin_add_overflow(caches, fwd, &total) ||
+	    __builtin_add_overflow(total, ((uint64_t)owed + 1) * a->vocab * sizeof(float), &total))
+		return UINT64_MAX;
+	return total;
 }
 
 /* ---- one step ------------------------------------------------------------------------------ */

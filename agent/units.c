@@ -191,8 +191,10 @@ static uint64_t room(struct ro_agent *a)
 
 	pthread_mutex_lock(&a->mu);
 	for (const struct unit_rt *u = a->units; u; u = u->next)
-		if (u->cp == CP_HELD && u->phase < 2)
-			pending += ro_engine_unit_bytes(a, &u->u, u->n_s);
+		if (u->cp == CP_HELD && u->phase < 2 &&
+		    __builtin_add_overflow(pending, ro_engine_unit_bytes(a, &u->u, u->n_s),
+					   &pending))
+			pending = UINT64_MAX; /* saturated: no room */
 	pthread_mutex_unlock(&a->mu);
 	return avail > pending ? avail - pending : 0;
 }

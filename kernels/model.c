@@ -282,7 +282,7 @@ static int cfg_parse(const struct cfg *x, struct ro_model_config *c)
 	    (r = cfg_u32(x, "num_hidden_layers", &c->layers, true, 1, 1024)) ||
 	    (r = cfg_u32(x, "num_attention_heads", &c->heads, true, 1, 1024)) ||
 	    (r = cfg_u32(x, "head_dim", &c->head_dim, false, 2, 1024)) ||
-	    (r = cfg_u32(x, "num_experts_per_tok", &c->top_k, true, 1, 4096)) ||
+	    (r = cfg_u32(x, "num_experts_per_tok", &c->top_k, true, 1, 64)) ||
 	    (r = cfg_u32(x, "intermediate_size", &c->dense_ffn, !q3, 1, 1u << 20)) ||
 	    (r = cfg_u32(x, "max_position_embeddings", &c->max_pos, false, 1, 1u << 24)) ||
 	    (r = cfg_num(x, "rope_theta", &c->rope_theta, 0)) ||
