@@ -1701,7 +1701,7 @@ Test(hostile, generate_on_non_finite_logits_fails_and_frees)
 Test(hostile, batches_past_32_bit_pair_counts_are_refused)
 {
 	struct ro_make_model_opts o;
-	const uint32_t T = (1u << 20) + 1; /* x top_k 4096: past 2^32 (token, expert) pairs */
+	const uint32_t T = (1u << 22) + 1; /* x 1024 heads: past 2^32 (token, head) pairs */
 	int32_t *tok = calloc(T, sizeof(*tok)), e = 0;
 	const float *x[1] = {NULL};
 	struct ro_model *m;
@@ -1711,13 +1711,14 @@ Test(hostile, batches_past_32_bit_pair_counts_are_refused)
 	ro_make_model_defaults(&o);
 	o.layers = 1;
 	o.hidden = 2;
-	o.heads = o.kv_heads = 1;
+	o.heads = 1024;
+	o.kv_heads = 1;
 	o.head_dim = 2;
-	o.experts = o.top_k = 4096;
+	o.experts = o.top_k = 64; /* the most num_experts_per_tok may be */
 	o.expert_ffn = 1;
 	o.vocab = 2;
 	make_opts("pairs", &o);
-	set_config("pairs", "max_position_embeddings", "2097152");
+	set_config("pairs", "max_position_embeddings", "8388608");
 	m = load("pairs", false);
 	cr_assert_eq(ro_seq_new(m, T, &s), 0);
 	it = (struct ro_fwd_item){s, tok, T, NULL, false};
