@@ -1,0 +1,739 @@
+/* The model's loader: config.json read as Hugging Face's config classes read it, the
+ * safetensors weights checked against it (every shape, every tensor used, no NaN), bf16 and
+ * f32 weights used in place from the mapping, f16 widened once. */
+#include <errno.h>
+#include <json-c/json.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kernels/model_internal.h"
+
+/* ---- config ----------------------------------------------------------------------------
+ * config.json as Hugging Face's Qwen3MoeConfig / MixtralConfig read it: the same defaults
+ * for what is absent, and every key that changes the computation either implemented as
+ * the modeling code does it or refused with the file and the key named. */
+
+#define MAX_CONFIG (1u << 20)
+
+struct cfg {
+	const char *path;
+	struct json_object *o;
+	char *err;
+	size_t errlen;
+};
+
+static int cfg_bad(const struct cfg *x, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int cfg_bad(const struct cfg *x, const char *key, const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+
+	va_start(ap, fmt);
+	(void)vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	return ro_errf(x->err, x->errlen, -EINVAL, "%s: %s: %s", x->path, key, msg);
+}
+
+/* The value of key, or NULL when it is absent or null. */
+static struct json_object *cfg_get(const struct cfg *x, const char *key)
+{
+	struct json_object *v;
+
+	if (!json_object_object_get_ex(x->o, key, &v) || json_object_is_type(v, json_type_null))
+		return NULL;
+	return v;
+}
+
+static const char *cfg_show(struct json_object *v)
+{
+	return json_object_to_json_string_ext(v, JSON_C_TO_STRING_PLAIN);
+}
+
+/* An integer in [lo, hi]; absent (or null) leaves *ret, unless required. */
+static int cfg_u32(const struct cfg *x, const char *key, uint32_t *ret, bool required,
+		   uint32_t lo, uint32_t hi)
+{
+	struct json_object *v = cfg_get(x, key);
+	int64_t n;
+
+	if (!v)
+		return required ? cfg_bad(x, key, "missing") : 0;
+	if (!json_object_is_type(v, json_type_int))
+		return cfg_bad(x, key, "%.64s is not an integer", cfg_show(v));
+	n = json_object_get_int64(v);
+	if (n < lo || n > hi)
+		return cfg_bad(x, key, "%lld is out of range [%u, %u]", (long long)n, lo, hi);
+	*ret = (uint32_t)n;
+	return 0;
+}
+
+static int cfg_num(const struct cfg *x, const char *key, double *ret, double lo)
+{
+	struct json_object *v = cfg_get(x, key);
+
+	if (!v)
+		return 0;
+	if (!json_object_is_type(v, json_type_double) && !json_object_is_type(v, json_type_int))
+		return cfg_bad(x, key, "%.64s is not a number", cfg_show(v));
+	*ret = json_object_get_double(v);
+	if (!isfinite(*ret) || *ret < lo)
+		return cfg_bad(x, key, "%.64s is out of range", cfg_show(v));
+	return 0;
+}
+
+static int cfg_bool(const struct cfg *x, const char *key, bool *ret)
+{
+	struct json_object *v = cfg_get(x, key);
+
+	if (!v)
+		return 0;
+	if (!json_object_is_type(v, json_type_boolean))
+		return cfg_bad(x, key, "%.64s is not true or false", cfg_show(v));
+	*ret = json_object_get_boolean(v);
+	return 0;
+}
+
+static int cfg_str(const struct cfg *x, const char *key, const char **ret)
+{
+	struct json_object *v = cfg_get(x, key);
+
+	*ret = NULL;
+	if (!v)
+		return 0;
+	if (!json_object_is_type(v, json_type_string))
+		return cfg_bad(x, key, "%.64s is not a string", cfg_show(v));
+	*ret = json_object_get_string(v);
+	return 0;
+}
+
+/* RoPE: only the default kind (rope_scaling null, or rope_type "default"); the
+ * transformers-5 form rope_parameters may also carry rope_theta. */
+static int cfg_rope(const struct cfg *x, struct ro_model_config *c)
+{
+	static const char *const keys[] = {"rope_scaling", "rope_parameters"};
+
+	for (int i = 0; i < 2; i++) {
+		struct json_object *v = cfg_get(x, keys[i]), *t, *th;
+		const char *kind = "default";
+
+		if (!v)
+			continue;
+		if (!json_object_is_type(v, json_type_object))
+			return cfg_bad(x, keys[i], "%.64s is not an object", cfg_show(v));
+		if ((json_object_object_get_ex(v, "rope_type", &t) ||
+		     json_object_object_get_ex(v, "type", &t)) &&
+		    !json_object_is_type(t, json_type_null))
+			kind = json_object_is_type(t, json_type_string) ? json_object_get_string(t)
+									: "?";
+		if (strcmp(kind, "default"))
+			return cfg_bad(x, keys[i],
+				       "RoPE scaling \"%.32s\" is not supported (only the default "
+				       "rotary embedding)",
+				       kind);
+		if (json_object_object_get_ex(v, "rope_theta", &th)) {
+			if ((!json_object_is_type(th, json_type_double) &&
+			     !json_object_is_type(th, json_type_int)) ||
+			    !(json_object_get_double(th) > 0) ||
+			    !isfinite(json_object_get_double(th)))
+				return cfg_bad(x, keys[i], "rope_theta %.64s is not a positive number",
+					       cfg_show(th));
+			c->rope_theta = json_object_get_double(th);
+		}
+	}
+	return 0;
+}
+
+static int cfg_layers(const struct cfg *x, struct ro_model_config *c)
+{
+	/* mlp_only_layers is Qwen3-MoE's: MixtralConfig has none, and Hugging Face's Mixtral
+	 * makes every layer sparse whatever config.json says */
+	struct json_object *v = c->arch == RO_ARCH_QWEN3_MOE ? cfg_get(x, "mlp_only_layers") : NULL,
+			   *lt = cfg_get(x, "layer_types");
+
+	if (v) {
+		if (!json_object_is_type(v, json_type_array))
+			return cfg_bad(x, "mlp_only_layers", "%.64s is not a list", cfg_show(v));
+		for (size_t i = 0; i < json_object_array_length(v); i++) {
+			struct json_object *e = json_object_array_get_idx(v, i);
+			int64_t l;
+
+			if (!json_object_is_type(e, json_type_int))
+				return cfg_bad(x, "mlp_only_layers", "entry %zu (%.32s) is not a layer",
+					       i, cfg_show(e));
+			l = json_object_get_int64(e);
+			if (l < 0 || l >= (int64_t)c->layers)
+				return cfg_bad(x, "mlp_only_layers",
+					       "layer %lld is not below num_hidden_layers %u",
+					       (long long)l, c->layers);
+			if (l >= 64)
+				return cfg_bad(x, "mlp_only_layers",
+					       "layer %lld: dense layers past 63 are not supported",
+					       (long long)l);
+			c->dense_layers |= 1ULL << l;
+		}
+	}
+	if (lt) {
+		if (!json_object_is_type(lt, json_type_array))
+			return cfg_bad(x, "layer_types", "%.64s is not a list", cfg_show(lt));
+		for (size_t i = 0; i < json_object_array_length(lt); i++) {
+			struct json_object *e = json_object_array_get_idx(lt, i);
+
+			if (!json_object_is_type(e, json_type_string) ||
+			    strcmp(json_object_get_string(e), "full_attention"))
+				return cfg_bad(x, "layer_types",
+					       "entry %zu (%.32s): only full_attention is supported", i,
+					       cfg_show(e));
+		}
+	}
+	return 0;
+}
+
+static int cfg_parse(const struct cfg *x, struct ro_model_config *c)
+{
+	struct json_object *arch = cfg_get(x, "architectures"), *v;
+	const char *an, *mt, *act;
+	bool q3, swin = false;
+	int r;
+
+	if (!arch || !json_object_is_type(arch, json_type_array) ||
+	    json_object_array_length(arch) < 1 ||
+	    !json_object_is_type(json_object_array_get_idx(arch, 0), json_type_string))
+		return cfg_bad(x, "architectures", "want a list naming the model class");
+	an = json_object_get_string(json_object_array_get_idx(arch, 0));
+	if (!strcmp(an, "Qwen3MoeForCausalLM"))
+		c->arch = RO_ARCH_QWEN3_MOE;
+	else if (!strcmp(an, "MixtralForCausalLM"))
+		c->arch = RO_ARCH_MIXTRAL;
+	else
+		return ro_errf(x->err, x->errlen, -ENOTSUP,
+			       "%s: architectures: %.64s is not supported (Qwen3MoeForCausalLM, "
+			       "MixtralForCausalLM)",
+			       x->path, an);
+	q3 = c->arch == RO_ARCH_QWEN3_MOE;
+	if ((r = cfg_str(x, "model_type", &mt)))
+		return r;
+	if (mt && strcmp(mt, q3 ? "qwen3_moe" : "mixtral"))
+		return cfg_bad(x, "model_type", "%.64s does not match architectures %s (want %s)", mt,
+			       an, q3 ? "qwen3_moe" : "mixtral");
+	if (cfg_get(x, "quantization_config"))
+		return cfg_bad(x, "quantization_config",
+			       "quantized checkpoints are not supported (F32, BF16, F16 weights)");
+	/* Hugging Face's defaults for what config.json leaves out */
+	c->rope_theta = q3 ? 10000.0 : 1e6;
+	c->rms_eps = q3 ? 1e-6 : 1e-5;
+	c->sparse_step = 1;
+	c->norm_topk = !q3;
+	c->max_pos = q3 ? 32768 : 4096 * 32;
+	c->kv_heads = q3 ? 4 : 8;
+	if ((r = cfg_u32(x, "vocab_size", &c->vocab, true, 2, 1u << 24)) ||
+	    (r = cfg_u32(x, "hidden_size", &c->hidden, true, 1, 65536)) ||
+	    (r = cfg_u32(x, "num_hidden_layers", &c->layers, true, 1, 1024)) ||
+	    (r = cfg_u32(x, "num_attention_heads", &c->heads, true, 1, 1024)) ||
+	    (r = cfg_u32(x, "head_dim", &c->head_dim, false, 2, 1024)) ||
+	    (r = cfg_u32(x, "num_experts_per_tok", &c->top_k, true, 1, 64)) ||
+	    (r = cfg_u32(x, "intermediate_size", &c->dense_ffn, !q3, 1, 1u << 20)) ||
+	    (r = cfg_u32(x, "max_position_embeddings", &c->max_pos, false, 1, 1u << 24)) ||
+	    (r = cfg_num(x, "rope_theta", &c->rope_theta, 0)) ||
+	    (r = cfg_num(x, "rms_norm_eps", &c->rms_eps, 0)) ||
+	    (r = cfg_bool(x, "tie_word_embeddings", &c->tie_embeddings)) ||
+	    (r = cfg_str(x, "hidden_act", &act)) || (r = cfg_rope(x, c)))
+		return r;
+	/* num_key_value_heads: absent is the class default (4, 8); null is num_attention_heads */
+	if (json_object_object_get_ex(x->o, "num_key_value_heads", &v) &&
+	    json_object_is_type(v, json_type_null))
+		c->kv_heads = c->heads;
+	else if ((r = cfg_u32(x, "num_key_value_heads", &c->kv_heads, false, 1, 1024)))
+		return r;
+	if (!(c->rope_theta > 0))
+		return cfg_bad(x, "rope_theta", "%g is not positive", c->rope_theta);
+	if (act && strcmp(act, "silu") && strcmp(act, "swish"))
+		return cfg_bad(x, "hidden_act", "%.32s is not supported (silu)", act);
+	if (!c->head_dim) {
+		c->head_dim = c->hidden / c->heads;
+		if (c->head_dim < 2)
+			return cfg_bad(x, "head_dim", "hidden_size / num_attention_heads is %u",
+				       c->head_dim);
+	}
+	if (c->head_dim % 2)
+		return cfg_bad(x, "head_dim", "%u is odd (RoPE rotates halves)", c->head_dim);
+	if (c->kv_heads > c->heads || c->heads % c->kv_heads)
+		return cfg_bad(x, "num_key_value_heads", "%u does not divide num_attention_heads %u",
+			       c->kv_heads, c->heads);
+	if (q3) {
+		if ((r = cfg_u32(x, "num_experts", &c->experts, true, 1, 4096)) ||
+		    (r = cfg_u32(x, "moe_intermediate_size", &c->expert_ffn, true, 1, 1u << 20)) ||
+		    (r = cfg_u32(x, "decoder_sparse_step", &c->sparse_step, false, 1, 1u << 20)) ||
+		    (r = cfg_bool(x, "norm_topk_prob", &c->norm_topk)) ||
+		    (r = cfg_bool(x, "attention_bias", &c->attn_bias)) ||
+		    (r = cfg_bool(x, "use_sliding_window", &swin)))
+			return r;
+		/* Qwen3-MoE's window applies from max_window_layers in some transformers
+		 * releases and to every layer in others: not a thing to guess. Absent,
+		 * sliding_window is Qwen3MoeConfig's 4096: only an explicit null is none. */
+		if (swin && !(json_object_object_get_ex(x->o, "sliding_window", &v) &&
+			      json_object_is_type(v, json_type_null)))
+			return cfg_bad(x, "use_sliding_window",
+				       "sliding-window attention is not supported for Qwen3-MoE "
+				       "(sliding_window %s)",
+				       cfg_get(x, "sliding_window") ? "set" : "absent: 4096");
+	} else {
+		if ((r = cfg_u32(x, "num_local_experts", &c->experts, true, 1, 4096)) ||
+		    (r = cfg_u32(x, "sliding_window", &c->sliding_window, false, 1, UINT32_MAX)))
+			return r;
+		c->expert_ffn = c->dense_ffn;
+	}
+	if (c->top_k > c->experts)
+		return cfg_bad(x, "num_experts_per_tok", "%u is more than the %u experts", c->top_k,
+			       c->experts);
+	if ((r = cfg_layers(x, c)))
+		return r;
+	for (uint32_t l = 0; l < c->layers && l < 64; l++)
+		if ((l + 1) % c->sparse_step)
+			c->dense_layers |= 1ULL << l;
+	if (c->layers > 64 && c->sparse_step > 1)
+		return cfg_bad(x, "decoder_sparse_step",
+			       "%u with %u layers: dense layers past 63 are not supported",
+			       c->sparse_step, c->layers);
+	if (c->dense_layers && !c->dense_ffn)
+		return cfg_bad(x, "intermediate_size", "missing, and dense layers need it");
+	return 0;
+}
+
+static int parse_config(const char *dir, struct ro_model_config *c, char *err, size_t errlen)
+{
+	char path[4096], *text;
+	size_t len;
+	struct cfg x = {.path = path, .err = err, .errlen = errlen};
+	int r;
+
+	(void)snprintf(path, sizeof(path), "%s/config.json", dir);
+	r = ro_read_small(path, MAX_CONFIG, &text, &len, err, errlen);
+	if (r)
+		return r;
+	r = ro_parse_json_object(path, text, len, &x.o, err, errlen);
+	free(text);
+	if (r)
+		return r;
+	memset(c, 0, sizeof(*c));
+	r = cfg_parse(&x, c);
+	json_object_put(x.o);
+	return r;
+}
+
+/* ---- weights --------------------------------------------------------------------------- */
+
+static void shape_str(char *buf, size_t len, uint32_t ndim, const uint64_t *d)
+{
+	size_t at = 0;
+
+	at += (size_t)snprintf(buf + at, len - at, "[");
+	for (uint32_t i = 0; i < ndim && at < len; i++)
+		at += (size_t)snprintf(buf + at, len - at, "%s%llu", i ? ", " : "",
+				       (unsigned long long)d[i]);
+	if (at < len)
+		(void)snprintf(buf + at, len - at, "]");
+}
+
+/* The tensor `name` with exactly the shape [d0] (d1 == 0 is not "1-D": ndim says) or
+ * [d0, d1]; it is counted as used. */
+static int tensor(struct ro_model *m, const char *name, uint32_t ndim, uint64_t d0, uint64_t d1,
+		  const struct ro_tensor **ret, char *err, size_t errlen)
+{
+	const struct ro_tensor *t = ro_st_find(m->st, name);
+	const uint64_t want[2] = {d0, d1};
+
+	if (!t)
+		return ro_errf(err, errlen, -ENOENT, "%s: tensor %s is missing", m->dir, name);
+	if (t->ndim != ndim || t->shape[0] != d0 || (ndim > 1 && t->shape[1] != d1)) {
+		char have[96], w[64];
+
+		shape_str(have, sizeof(have), t->ndim, t->shape);
+		shape_str(w, sizeof(w), ndim, want);
+		return ro_errf(err, errlen, -EINVAL, "%s: tensor %s has shape %s, want %s",
+			       ro_st_file(m->st, t), name, have, w);
+	}
+	m->used[ro_st_index(m->st, t)] = true;
+	*ret = t;
+	return 0;
+}
+
+static int own(struct ro_model *m, void *p)
+{
+	void **o = realloc(m->owned, (m->n_owned + 1) * sizeof(*o));
+
+	if (!o) {
+		free(p);
+		return -ENOMEM;
+	}
+	m->owned = o;
+	m->owned[m->n_owned++] = p;
+	return 0;
+}
+
+
+static int vec(struct ro_model *m, const char *name, uint64_t n, float **ret, char *err,
+	       size_t errlen)
+{
+	const struct ro_tensor *t;
+	float *v;
+	int r = tensor(m, name, 1, n, 0, &t, err, errlen);
+
+	if (r)
+		return r;
+	v = malloc(n * sizeof(*v));
+	if (!v)
+		return -ENOMEM;
+	for (uint64_t i = 0; i < n; i++)
+		v[i] = ro_elem(t, i);
+	*ret = v;
+	return own(m, v);
+}
+
+static int mat(struct ro_model *m, const char *name, uint32_t rows, uint32_t cols,
+	       struct ro_mat *ret, char *err, size_t errlen)
+{
+	const struct ro_tensor *t;
+	int r = tensor(m, name, 2, rows, cols, &t, err, errlen);
+
+	if (r)
+		return r;
+	ret->rows = rows;
+	ret->cols = cols;
+	if (t->dtype == RO_F16) { /* no f16 kernel: widen once */
+		size_t n = (size_t)rows * cols;
+		float *w = malloc(n * sizeof(*w));
+
+		if (!w)
+			return -ENOMEM;
+		for (size_t i = 0; i < n; i++)
+			w[i] = ro_f16_to_f32(((const uint16_t *)t->data)[i]);
+		ret->w = w;
+		ret->dtype = RO_F32;
+		return own(m, w);
+	}
+	ret->w = t->data;
+	ret->dtype = t->dtype;
+	return 0;
+}
+
+static int load_layer(struct ro_model *m, uint32_t l, char *err, size_t errlen)
+{
+	const struct ro_model_config *c = &m->c;
+	struct layer *L = &m->L[l];
+	const uint32_t H = c->hidden, qd = c->heads * c->head_dim, kvd = c->kv_heads * c->head_dim;
+	char n[256];
+	int r;
+
+#define NAME(...) (snprintf(n, sizeof(n), __VA_ARGS__), n)
+	if ((r = vec(m, NAME("model.layers.%u.input_layernorm.weight", l), H, &L->in_norm, err,
+		     errlen)) ||
+	    (r = vec(m, NAME("model.layers.%u.post_attention_layernorm.weight", l), H,
+		     &L->post_norm, err, errlen)) ||
+	    (r = mat(m, NAME("model.layers.%u.self_attn.q_proj.weight", l), qd, H, &L->q, err,
+		     errlen)) ||
+	    (r = mat(m, NAME("model.layers.%u.self_attn.k_proj.weight", l), kvd, H, &L->k, err,
+		     errlen)) ||
+	    (r = mat(m, NAME("model.layers.%u.self_attn.v_proj.weight", l), kvd, H, &L->v, err,
+		     errlen)) ||
+	    (r = mat(m, NAME("model.layers.%u.self_attn.o_proj.weight", l), H, qd, &L->o, err,
+		     errlen)))
+		return r;
+	if (c->attn_bias &&
+	    ((r = vec(m, NAME("model.layers.%u.self_attn.q_proj.bias", l), qd, &L->bq, err,
+		      errlen)) ||
+	     (r = vec(m, NAME("model.layers.%u.self_attn.k_proj.bias", l), kvd, &L->bk, err,
+		      errlen)) ||
+	     (r = vec(m, NAME("model.layers.%u.self_attn.v_proj.bias", l), kvd, &L->bv, err,
+		      errlen)) ||
+	     (r = vec(m, NAME("model.layers.%u.self_attn.o_proj.bias", l), H, &L->bo, err,
+		      errlen))))
+		return r;
+	if (c->arch == RO_ARCH_QWEN3_MOE &&
+	    ((r = vec(m, NAME("model.layers.%u.self_attn.q_norm.weight", l), c->head_dim,
+		      &L->q_norm, err, errlen)) ||
+	     (r = vec(m, NAME("model.layers.%u.self_attn.k_norm.weight", l), c->head_dim,
+		      &L->k_norm, err, errlen))))
+		return r;
+	L->dense = l < 64 && (c->dense_layers >> l & 1);
+	L->n_mlp = L->dense ? 1 : c->experts;
+	L->ffn = L->dense ? c->dense_ffn : c->expert_ffn;
+	L->gate = calloc(L->n_mlp, sizeof(*L->gate));
+	L->up = calloc(L->n_mlp, sizeof(*L->up));
+	L->down = calloc(L->n_mlp, sizeof(*L->down));
+	if (!L->gate || !L->up || !L->down)
+		return -ENOMEM;
+	if (L->dense) {
+		return (r = mat(m, NAME("model.layers.%u.mlp.gate_proj.weight", l), L->ffn, H,
+				&L->gate[0], err, errlen)) ||
+			       (r = mat(m, NAME("model.layers.%u.mlp.up_proj.weight", l), L->ffn, H,
+					&L->up[0], err, errlen)) ||
+			       (r = mat(m, NAME("model.layers.%u.mlp.down_proj.weight", l), H,
+					L->ffn, &L->down[0], err, errlen))
+			   ? r
+			   : 0;
+	}
+	{
+		const bool q3 = c->arch == RO_ARCH_QWEN3_MOE;
+		const char *blk = q3 ? "mlp" : "block_sparse_moe";
+		const char *g = q3 ? "gate_proj" : "w1", *u = q3 ? "up_proj" : "w3",
+			   *d = q3 ? "down_proj" : "w2";
+
+		r = mat(m, NAME("model.layers.%u.%s.gate.weight", l, blk), c->experts, H, &L->router,
+			err, errlen);
+		for (uint32_t e = 0; !r && e < c->experts; e++) {
+			if ((r = mat(m, NAME("model.layers.%u.%s.experts.%u.%s.weight", l, blk, e, g),
+				     L->ffn, H, &L->gate[e], err, errlen)) ||
+			    (r = mat(m, NAME("model.layers.%u.%s.experts.%u.%s.weight", l, blk, e, u),
+				     L->ffn, H, &L->up[e], err, errlen)) ||
+			    (r = mat(m, NAME("model.layers.%u.%s.experts.%u.%s.weight", l, blk, e, d),
+				     H, L->ffn, &L->down[e], err, errlen)))
+				break;
+		}
+	}
+#undef NAME
+	return r;
+}
+
+/* ---- checks over the whole checkpoint ------------------------------------------------------ */
+
+struct scan {
+	const struct ro_tensor **t;
+	uint64_t *bad; /* per tensor: first non-finite element + 1, or 0 */
+};
+
+static void scan_one(void *arg, uint32_t i)
+{
+	struct scan *sc = arg;
+	const struct ro_tensor *t = sc->t[i];
+	const uint64_t n = t->bytes / ro_dtype_size(t->dtype);
+
+	for (uint64_t k = 0; k < n; k++) {
+		bool inf_nan;
+
+		if (t->dtype == RO_F32) {
+			uint32_t u;
+
+			memcpy(&u, (const uint8_t *)t->data + 4 * k, 4);
+			inf_nan = (u & 0x7f800000u) == 0x7f800000u;
+		} else {
+			const uint16_t h = ((const uint16_t *)t->data)[k];
+
+			inf_nan = t->dtype == RO_BF16 ? (h & 0x7f80u) == 0x7f80u
+						      : (h & 0x7c00u) == 0x7c00u;
+		}
+		if (inf_nan) {
+			sc->bad[i] = k + 1;
+			return;
+		}
+	}
+}
+
+/* NaN or infinity anywhere in a weight the model reads makes every logit downstream
+ * meaningless: refused at load, with the tensor and the element named. */
+static int check_finite(struct ro_model *m, char *err, size_t errlen)
+{
+	const size_t n = ro_st_count(m->st);
+	struct scan sc = {.t = calloc(n, sizeof(*sc.t)), .bad = calloc(n, sizeof(*sc.bad))};
+	uint32_t k = 0;
+	int r = 0;
+
+	if (!sc.t || !sc.bad) {
+		r = -ENOMEM;
+		goto out;
+	}
+	for (size_t i = 0; i < n; i++)
+		if (m->used[i])
+			sc.t[k++] = ro_st_at(m->st, i);
+	ro_pool_for(m->pool, k, scan_one, &sc);
+	for (uint32_t i = 0; i < k && !r; i++)
+		if (sc.bad[i]) {
+			const struct ro_tensor *t = sc.t[i];
+			float v = t->dtype == RO_F32 ? 0 : ro_elem(t, sc.bad[i] - 1);
+
+			if (t->dtype == RO_F32)
+				memcpy(&v, (const uint8_t *)t->data + 4 * (sc.bad[i] - 1), 4);
+			r = ro_errf(err, errlen, -EINVAL, "%s: tensor %s: element %llu is %s",
+				    ro_st_file(m->st, t), t->name,
+				    (unsigned long long)(sc.bad[i] - 1), isnan(v) ? "NaN" : "infinite");
+		}
+out:
+	free(sc.t);
+	free(sc.bad);
+	return r;
+}
+
+/* Every tensor of the checkpoint is one the config describes: a checkpoint with more
+ * layers or experts than config.json says, or weights this runtime does not implement
+ * (biases, another architecture's tensors), is not silently half-used. */
+static int check_all_used(struct ro_model *m, char *err, size_t errlen)
+{
+	const struct ro_model_config *c = &m->c;
+
+	for (size_t i = 0; i < ro_st_count(m->st); i++) {
+		const struct ro_tensor *t = ro_st_at(m->st, i);
+		const size_t nl = strlen(t->name), sl = strlen(".rotary_emb.inv_freq");
+
+		if (m->used[i])
+			continue;
+		if (nl > sl && !strcmp(t->name + nl - sl, ".rotary_emb.inv_freq"))
+			continue; /* a buffer older transformers saved; recomputed as HF does */
+		if (c->tie_embeddings && !strcmp(t->name, "lm_head.weight"))
+			continue; /* tied: Hugging Face uses the embedding, as here */
+		return ro_errf(err, errlen, -EINVAL,
+			       "%s: tensor %s is not part of the model config.json describes (%u "
+			       "layers, %u experts%s): refusing a checkpoint it does not match",
+			       ro_st_file(m->st, t), t->name, c->layers, c->experts,
+			       c->attn_bias ? ", attention biases" : "");
+	}
+	return 0;
+}
+
+#define MAX_THREADS 1024
+
+int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_model **ret,
+		  char *err, size_t errlen)
+{
+	struct ro_model *m = calloc(1, sizeof(*m));
+	long ncpu;
+	uint32_t threads;
+	int r;
+
+	if (!m)
+		return -ENOMEM;
+	m->dir = dir;
+	ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+	threads = o && o->threads ? o->threads : (uint32_t)(ncpu > 0 ? ncpu : 1);
+	if (threads > MAX_THREADS) {
+		r = ro_errf(err, errlen, -EINVAL, "threads %u: at most %u", threads, MAX_THREADS);
+		goto fail;
+	}
+	r = parse_config(dir, &m->c, err, errlen);
+	if (r)
+		goto fail;
+	r = ro_st_open_dir(dir, &m->st, err, errlen);
+	if (r)
+		goto fail;
+	m->used = calloc(ro_st_count(m->st) + 1, sizeof(*m->used));
+	if (!m->used) {
+		r = -ENOMEM;
+		goto fail;
+	}
+	r = tensor(m, "model.embed_tokens.weight", 2, m->c.vocab, m->c.hidden, &m->embed, err,
+		   errlen);
+	if (r)
+		goto fail;
+	(void)snprintf(m->c.dtype, sizeof(m->c.dtype), "%s",
+		       m->embed->dtype == RO_F32 ? "F32" : m->embed->dtype == RO_BF16 ? "BF16"
+										      : "F16");
+	m->L = calloc(m->c.layers, sizeof(*m->L));
+	if (!m->L) {
+		r = -ENOMEM;
+		goto fail;
+	}
+	for (uint32_t l = 0; l < m->c.layers; l++) {
+		r = load_layer(m, l, err, errlen);
+		if (r)
+			goto fail;
+	}
+	r = vec(m, "model.norm.weight", m->c.hidden, &m->final_norm, err, errlen);
+	if (r)
+		goto fail;
+	/* tie_word_embeddings: the head is the embedding, whatever lm_head.weight holds */
+	r = mat(m, m->c.tie_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
+		m->c.vocab, m->c.hidden, &m->head, err, errlen);
+	if (r)
+		goto fail;
+	r = check_all_used(m, err, errlen);
+	if (r)
+		goto fail;
+	ro_kernels_force_scalar(o && o->scalar);
+	r = ro_pool_new(threads, &m->pool);
+	if (r)
+		goto fail;
+	r = check_finite(m, err, errlen);
+	if (r)
+		goto fail;
+	m->dir = NULL;
+	*ret = m;
+	return 0;
+fail:
+	if (r == -ENOMEM)
+		(void)ro_errf(err, errlen, r, "%s: out of memory", dir);
+	ro_model_free(m);
+	return r;
+}
+
+struct ro_model *ro_model_free(struct ro_model *m)
+{
+	if (!m)
+		return NULL;
+	ro_pool_free(m->pool);
+	for (uint32_t l = 0; m->L && l < m->c.layers; l++) {
+		free(m->L[l].gate);
+		free(m->L[l].up);
+		free(m->L[l].down);
+	}
+	free(m->L);
+	for (size_t i = 0; i < m->n_owned; i++)
+		free(m->owned[i]);
+	free(m->owned);
+	free(m->ws);
+	free(m->ews);
+	ro_st_free(m->st);
+	free(m->used);
+	free(m);
+	return NULL;
+}
+
+const struct ro_model_config *ro_model_config(const struct ro_model *m)
+{
+	return &m->c;
+}
+
+const char *ro_model_kernels(const struct ro_model *m)
+{
+	(void)m;
+	return ro_kernels_name();
+}
+
+uint32_t ro_model_threads(const struct ro_model *m)
+{
+	return ro_pool_size(m->pool);
+}
+
+static uint64_t mat_bytes(const struct ro_mat *w)
+{
+	return (uint64_t)w->rows * w->cols * ro_dtype_size(w->dtype);
+}
+
+void ro_model_sizes(const struct ro_model *m, uint64_t *ret_total, uint64_t *ret_active)
+{
+	uint64_t total = m->embed->bytes, active = 0;
+
+	if (m->head.w != m->embed->data)
+		total += mat_bytes(&m->head);
+	active += mat_bytes(&m->head);
+	for (uint32_t l = 0; l < m->c.layers; l++) {
+		const struct layer *L = &m->L[l];
+		uint64_t attn = mat_bytes(&L->q) + mat_bytes(&L->k) + mat_bytes(&L->v) +
+				mat_bytes(&L->o);
+		uint64_t one = mat_bytes(&L->gate[0]) + mat_bytes(&L->up[0]) + mat_bytes(&L->down[0]);
+
+		total += attn + one * L->n_mlp + (L->dense ? 0 : mat_bytes(&L->router));
+		active += attn + one * (L->dense ? 1 : m->c.top_k) +
+			  (L->dense ? 0 : mat_bytes(&L->router));
+	}
+	*ret_total = total;
+	*ret_active = active;
+}
+
+uint32_t ro_model_last_experts(const struct ro_model *m)
+{
+	return m->experts_run;
+}

@@ -1,0 +1,104 @@
+/* Private to kernels/: the model's structures and the pieces its files share. loader.c
+ * reads config.json and the weights, model.c owns sequences and the batched forward,
+ * cpu/attention.c and cpu/moe.c the attention over the cache and the expert layer. */
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/internal.h"
+#include "kernels/model.h"
+
+struct layer {
+	float *in_norm, *post_norm, *q_norm, *k_norm; /* owned f32 copies; q/k norm Qwen3 only */
+	float *bq, *bk, *bv, *bo; /* attention_bias (Qwen3-MoE), else NULL */
+	struct ro_mat q, k, v, o, router;
+	struct ro_mat *gate, *up, *down; /* experts entries, or 1 for a dense layer */
+	uint32_t n_mlp, ffn;
+	bool dense;
+};
+
+struct ro_model {
+	struct ro_model_config c;
+	struct ro_st_set *st;
+	struct ro_pool *pool;
+	struct layer *L;
+	const struct ro_tensor *embed;
+	struct ro_mat head;
+	float *final_norm;
+	bool *used;   /* per tensor of st: read by the model (the rest is refused) */
+	const char *dir; /* while loading: the directory, for messages */
+	void **owned; /* widened f16 matrices */
+	size_t n_owned;
+	struct ro_moe_exchange xch;
+	bool have_xch;
+	uint32_t experts_run; /* by the last forward */
+	/* workspace, grown to the largest batch seen */
+	float *ws;
+	size_t ws_len;
+	float *ews; /* ro_model_experts scratch (called from inside a forward) */
+	size_t ews_len;
+};
+
+struct ro_seq {
+	struct ro_model *m;
+	uint32_t len, cap, max;
+	float *k, *v; /* [layers][cap][kv_heads * head_dim] */
+};
+
+/* Element i of a tensor as f32, whatever its stored dtype. */
+static inline float ro_elem(const struct ro_tensor *t, size_t i)
+{
+	return t->dtype == RO_F32    ? ((const float *)t->data)[i]
+	       : t->dtype == RO_BF16 ? ro_bf16_to_f32(((const uint16_t *)t->data)[i])
+				     : ro_f16_to_f32(((const uint16_t *)t->data)[i]);
+}
+
+/* ---- shared pieces ----------------------------------------------------------------------- */
+
+void ro_rmsnorm(const float *x, const float *w, uint32_t n, double eps, float *out);
+void ro_rope(float *v, const float *cs, const float *sn, uint32_t hd);
+void ro_swiglu(float *g, const float *u, size_t n);
+
+size_t ro_kv_row(const struct ro_model *m);
+int ro_seq_reserve(struct ro_seq *s, uint32_t need);
+
+struct gemm_job {
+	const struct ro_mat *W;
+	const float *x;
+	uint32_t T;
+	float *y;
+	uint32_t ldy, r0, r1;
+};
+
+struct jobs {
+	struct gemm_job *j;
+	uint32_t n, cap;
+};
+
+int ro_jobs_add(struct jobs *J, const struct ro_mat *W, const float *x, uint32_t T, float *y,
+		uint32_t ldy, uint32_t chunk);
+uint32_t ro_chunk_for(const struct ro_model *m, uint32_t rows, uint32_t T, uint32_t mats);
+int ro_run_jobs(struct ro_model *m, struct jobs *J);
+
+/* One forward's state, as the attention tasks see it. */
+struct fwd {
+	struct ro_model *m;
+	uint32_t T, layer;
+	struct ro_seq **seq;
+	uint32_t *pos;
+	float *x, *h, *q, *k, *v, *att, *cs, *sn;
+	bool avx2;
+};
+
+/* cpu/attention.c: per token, the biases, q/k norms and RoPE, stored into the cache; per
+ * (token, head), attention over the cache. Both are ro_pool_for tasks over struct fwd. */
+void ro_qk_rope_store(void *arg, uint32_t t);
+void ro_attend_one(void *arg, uint32_t i);
+
+/* cpu/moe.c: routing, the local expert layer, and a rank's empty turn in an exchange. */
+void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids, float *w);
+int ro_local_experts(struct ro_model *m, uint32_t l, const float *x, const int32_t *ids,
+		     uint32_t T, float *out);
+int ro_forward_idle(struct ro_model *m);
