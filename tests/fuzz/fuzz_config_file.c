@@ -1,6 +1,6 @@
 /* Fuzz target: the config file parser (agent/config.c) through ro_config_load(), as
  * rolloutd reads /etc/rolloutd/rolloutd.conf, then --print-config, which walks every
- * setting (and redacts the Redis URL). The command line empties redis-password-file, so a
+ * setting (and redacts the Redis URL). A file with a NUL byte must be refused. The command line empties redis-password-file, so a
  * file naming one never makes the target read some other file. */
 #include "tests/fuzz/fuzz.h"
 
@@ -47,6 +47,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	fuzz_write("rolloutd.conf", data, size);
 	r = ro_config_load(&c, 5, argv, devnull, devnull);
 	FUZZ_ASSERT(r == 1 || r == -EINVAL || r == -ENOMEM);
+	FUZZ_ASSERT(r != 1 || !memchr(data, '\0', size)); /* a NUL byte is refused */
 	if (r == 1) { /* printed: the values it took are within the table's bounds */
 		FUZZ_ASSERT(c.redis && c.queue && c.prefix);
 		FUZZ_ASSERT(c.lease_ms >= 1000 && c.ep_size >= 1 && c.ep_size <= 64);
