@@ -19,6 +19,7 @@ SRC_checkpoint = queue/progress.c
 SRC_imds = imds/client.c imds/watch.c
 SRC_config_file = agent/config.c $(QUEUE_SRC)
 SRC_control = agent/control_proto.c
+SRC_ep_card = $(MODEL_SRC)
 
 O = tests/fuzz/obj
 SAN = -fsanitize=address,undefined -fno-sanitize-recover=undefined
