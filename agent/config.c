@@ -270,10 +270,15 @@ static char *trim(char *s)
 	return s;
 }
 
+/* One "key = value" per line, any length; '#' starts a comment line. A line is read whole
+ * (a fixed buffer would cut a long value and read its tail as a line of its own), and a
+ * NUL byte, which would silently cut it, is refused. */
 static int load_file(struct ro_config *c, const char *path, bool must, FILE *err)
 {
 	FILE *f = fopen(path, "r");
-	char line[4096], from[4200];
+	char *line = NULL, from[4200];
+	size_t cap = 0;
+	ssize_t n;
 	int lineno = 0, r = 0;
 
 	if (!f) {
@@ -282,14 +287,20 @@ static int load_file(struct ro_config *c, const char *path, bool must, FILE *err
 		(void)fprintf(err, "rolloutd: config file %s: %s\n", path, strerror(errno));
 		return -EINVAL;
 	}
-	while (!r && fgets(line, sizeof(line), f)) {
-		char *s = trim(line), *eq, *k, *v;
+	while (!r && (n = getline(&line, &cap, f)) >= 0) {
+		char *s, *eq, *k, *v;
 		const struct setting *st;
 
 		lineno++;
+		(void)snprintf(from, sizeof(from), "%s:%d", path, lineno);
+		if (memchr(line, '\0', (size_t)n)) {
+			(void)fprintf(err, "rolloutd: %s: a NUL byte in the line\n", from);
+			r = -EINVAL;
+			break;
+		}
+		s = trim(line);
 		if (!*s || *s == '#')
 			continue;
-		(void)snprintf(from, sizeof(from), "%s:%d", path, lineno);
 		eq = strchr(s, '=');
 		if (!eq) {
 			(void)fprintf(err, "rolloutd: %s: want key = value\n", from);
@@ -311,6 +322,7 @@ static int load_file(struct ro_config *c, const char *path, bool must, FILE *err
 		}
 		r = set(c, st, v, from, err);
 	}
+	free(line);
 	(void)fclose(f);
 	return r;
 }

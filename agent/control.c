@@ -16,10 +16,10 @@
 #include <unistd.h>
 
 #include "agent/agent.h"
+#include "agent/control.h"
 #include "agent/log.h"
 
 #define CLIENTS_MAX 256
-#define LINE_MAX_BYTES 512
 #define IDLE_MS 30000
 
 struct client {
@@ -27,7 +27,7 @@ struct client {
 	struct client *next;
 	int fd;
 	sd_event_source *src;
-	char in[LINE_MAX_BYTES];
+	char in[RO_CONTROL_LINE_MAX];
 	size_t in_len;
 	char *out;
 	size_t out_len, out_off;
@@ -154,30 +154,30 @@ static void client_free(struct client *c)
 static void command(struct client *c, const char *line)
 {
 	struct ro_agent *a = c->ctl->a;
+	struct ro_control_req q;
 	char rep[8192];
-	char *end;
 	size_t n;
 
-	if (!strcmp(line, "status")) {
+	ro_control_parse(line, &q);
+	switch (q.cmd) {
+	case RO_CONTROL_STATUS:
 		ro_status_json(a, rep, sizeof(rep));
-	} else if (!strcmp(line, "drain") || !strncmp(line, "drain ", 6)) {
-		double s = a->cfg.sigterm_grace_s;
+		break;
+	case RO_CONTROL_DRAIN: {
+		double s = q.has_seconds ? q.seconds : a->cfg.sigterm_grace_s;
 
-		if (line[5]) {
-			s = strtod(line + 6, &end);
-			if (end == line + 6 || *end || !(s >= 0) || s > 86400) {
-				(void)snprintf(
-				    rep, sizeof(rep),
-				    "{\"error\":\"drain wants seconds from 0 to 86400\"}\n");
-				goto out;
-			}
-		}
 		ro_drain_begin(a, ro_wall_ms() + (int64_t)(s * 1000), "rolloutctl drain");
 		ro_status_json(a, rep, sizeof(rep));
-	} else {
-		(void)snprintf(rep, sizeof(rep), "{\"error\":\"unknown command\"}\n");
+		break;
 	}
-out:
+	case RO_CONTROL_BAD_DRAIN:
+		(void)snprintf(rep, sizeof(rep),
+			       "{\"error\":\"drain wants seconds from 0 to 86400\"}\n");
+		break;
+	default:
+		(void)snprintf(rep, sizeof(rep), "{\"error\":\"unknown command\"}\n");
+		break;
+	}
 	n = strlen(rep);
 	{
 		char *o = realloc(c->out, c->out_len + n);
@@ -189,6 +189,11 @@ out:
 		c->out_len += n;
 	}
 	c->ctl->served++;
+}
+
+static void on_line(void *arg, const char *line)
+{
+	command(arg, line);
 }
 
 static int client_flush(struct client *c)
@@ -213,7 +218,6 @@ static int on_client(sd_event_source *s, int fd, uint32_t revents, void *userdat
 	if (revents & EPOLLIN) {
 		for (;;) {
 			ssize_t n = read(fd, c->in + c->in_len, sizeof(c->in) - 1 - c->in_len);
-			char *nl;
 
 			if (n == 0) {
 				eof = true;
@@ -226,18 +230,8 @@ static int on_client(sd_event_source *s, int fd, uint32_t revents, void *userdat
 			}
 			c->in_len += (size_t)n;
 			c->last_ms = ro_now_ms();
-			while ((nl = memchr(c->in, '\n', c->in_len))) {
-				size_t l = (size_t)(nl - c->in);
-
-				*nl = '\0';
-				if (l && c->in[l - 1] == '\r')
-					c->in[l - 1] = '\0';
-				command(c, c->in);
-				memmove(c->in, nl + 1, c->in_len - l - 1);
-				c->in_len -= l + 1;
-			}
-			if (c->in_len == sizeof(c->in) - 1) { /* a line too long: not a client */
-				eof = true;
+			if (!ro_control_lines(c->in, &c->in_len, sizeof(c->in), on_line, c)) {
+				eof = true; /* a line too long: not a client */
 				break;
 			}
 		}

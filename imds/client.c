@@ -123,11 +123,11 @@ static size_t on_body(char *p, size_t size, size_t nmemb, void *arg)
 	return n;
 }
 
-static size_t on_header(char *p, size_t size, size_t nmemb, void *arg)
+/* A reply header line as libcurl hands it (not NUL-terminated, CRLF kept): the token
+ * PUT's TTL is all we read. */
+void ro_imds_parse_header(struct ro_imds *m, const char *p, size_t n)
 {
 	static const char name[] = "x-aws-ec2-metadata-token-ttl-seconds:";
-	struct ro_imds *m = arg;
-	size_t n = size * nmemb;
 
 	if (n > sizeof(name) && !strncasecmp(p, name, sizeof(name) - 1)) {
 		char v[16] = "";
@@ -138,6 +138,13 @@ static size_t on_header(char *p, size_t size, size_t nmemb, void *arg)
 		memcpy(v, p + sizeof(name) - 1, vl);
 		m->reply_ttl = (uint32_t)strtoul(v, NULL, 10);
 	}
+}
+
+static size_t on_header(char *p, size_t size, size_t nmemb, void *arg)
+{
+	size_t n = size * nmemb;
+
+	ro_imds_parse_header(arg, p, n);
 	return n;
 }
 
@@ -331,23 +338,30 @@ static int fetch_token(struct ro_imds *m)
 		r = fail(m, -EACCES, "%s: 404: this endpoint has no IMDSv2 token service", url);
 	if (r)
 		return r;
-	if (m->len == 0 || m->len >= sizeof(m->token))
-		return fail(m, -EBADMSG, "%s: token of %zu bytes", url, m->len);
-	for (size_t i = 0; i < m->len; i++)
-		if (!isgraph((unsigned char)m->body[i]))
-			return fail(m, -EBADMSG, "%s: token is not printable text", url);
-	memcpy(m->token, m->body, m->len + 1);
-	{
-		uint32_t ttl_s = m->reply_ttl && m->reply_ttl < m->o.token_ttl_s ? m->reply_ttl
-										 : m->o.token_ttl_s;
-		/* renew a quarter of the lifetime (at most a minute) early: a token that expires
-		 * between our check and EC2's costs a 401 and a second round trip */
-		int64_t margin = (int64_t)ttl_s * 1000 / 4;
+	return ro_imds_take_token(m, url, m->body, m->len);
+}
 
-		if (margin > 60000)
-			margin = 60000;
-		m->token_refresh_at = ro_imds_mono_ms() + (int64_t)ttl_s * 1000 - margin;
-	}
+/* The token PUT's reply: printable text that fits, renewed before the TTL the reply
+ * header granted (or the one asked for, when shorter or absent) runs out. */
+int ro_imds_take_token(struct ro_imds *m, const char *what, const char *body, size_t len)
+{
+	uint32_t ttl_s;
+	int64_t margin;
+
+	if (len == 0 || len >= sizeof(m->token))
+		return fail(m, -EBADMSG, "%s: token of %zu bytes", what, len);
+	for (size_t i = 0; i < len; i++)
+		if (!isgraph((unsigned char)body[i]))
+			return fail(m, -EBADMSG, "%s: token is not printable text", what);
+	memcpy(m->token, body, len);
+	m->token[len] = '\0';
+	ttl_s = m->reply_ttl && m->reply_ttl < m->o.token_ttl_s ? m->reply_ttl : m->o.token_ttl_s;
+	/* renew a quarter of the lifetime (at most a minute) early: a token that expires
+	 * between our check and EC2's costs a 401 and a second round trip */
+	margin = (int64_t)ttl_s * 1000 / 4;
+	if (margin > 60000)
+		margin = 60000;
+	m->token_refresh_at = ro_imds_mono_ms() + (int64_t)ttl_s * 1000 - margin;
 	return 0;
 }
 
@@ -512,21 +526,17 @@ const char *ro_imds_action_name(enum ro_imds_action a)
 	}
 }
 
-int ro_imds_spot_action(struct ro_imds *m, struct ro_imds_notice *ret)
+int ro_imds_parse_spot(struct ro_imds *m, const char *body, size_t len,
+		       struct ro_imds_notice *ret)
 {
 	static const char what[] = "spot/instance-action";
 	struct json_object *o = NULL;
 	const char *action, *t;
-	char *body = NULL;
-	size_t len = 0;
 	int r;
 
-	r = ro_imds_get(m, "meta-data/spot/instance-action", &body, &len);
-	if (r)
-		return r;
 	r = parse_object(m, what, body, len, &o);
 	if (r)
-		goto out;
+		return r;
 	action = get_str(o, "action");
 	t = get_str(o, "time");
 	if (!action || !t) {
@@ -549,15 +559,45 @@ int ro_imds_spot_action(struct ro_imds *m, struct ro_imds_notice *ret)
 	}
 out:
 	json_object_put(o);
+	return r;
+}
+
+int ro_imds_spot_action(struct ro_imds *m, struct ro_imds_notice *ret)
+{
+	char *body = NULL;
+	size_t len = 0;
+	int r;
+
+	r = ro_imds_get(m, "meta-data/spot/instance-action", &body, &len);
+	if (r)
+		return r;
+	r = ro_imds_parse_spot(m, body, len, ret);
 	free(body);
+	return r;
+}
+
+int ro_imds_parse_rebalance(struct ro_imds *m, const char *body, size_t len,
+			    int64_t *ret_notice_ms)
+{
+	static const char what[] = "events/recommendations/rebalance";
+	struct json_object *o = NULL;
+	const char *t;
+	int r;
+
+	r = parse_object(m, what, body, len, &o);
+	if (r)
+		return r;
+	t = get_str(o, "noticeTime");
+	if (!t)
+		r = fail(m, -EPROTO, "%s: want a string field noticeTime", what);
+	else if (ro_imds_parse_time(t, ret_notice_ms))
+		r = fail(m, -EPROTO, "%s: noticeTime \"%.40s\" is not RFC 3339", what, t);
+	json_object_put(o);
 	return r;
 }
 
 int ro_imds_rebalance(struct ro_imds *m, int64_t *ret_notice_ms)
 {
-	static const char what[] = "events/recommendations/rebalance";
-	struct json_object *o = NULL;
-	const char *t;
 	char *body = NULL;
 	size_t len = 0;
 	int r;
@@ -565,23 +605,14 @@ int ro_imds_rebalance(struct ro_imds *m, int64_t *ret_notice_ms)
 	r = ro_imds_get(m, "meta-data/events/recommendations/rebalance", &body, &len);
 	if (r)
 		return r;
-	r = parse_object(m, what, body, len, &o);
-	if (r)
-		goto out;
-	t = get_str(o, "noticeTime");
-	if (!t)
-		r = fail(m, -EPROTO, "%s: want a string field noticeTime", what);
-	else if (ro_imds_parse_time(t, ret_notice_ms))
-		r = fail(m, -EPROTO, "%s: noticeTime \"%.40s\" is not RFC 3339", what, t);
-out:
-	json_object_put(o);
+	r = ro_imds_parse_rebalance(m, body, len, ret_notice_ms);
 	free(body);
 	return r;
 }
 
 /* A short token of text (a state name, an id): trimmed, [A-Za-z0-9:._-] only. */
-static int plain_word(struct ro_imds *m, const char *what, const char *body, char *buf,
-		      size_t len, const char *extra)
+int ro_imds_parse_word(struct ro_imds *m, const char *what, const char *body, char *buf,
+		       size_t len)
 {
 	size_t n;
 
@@ -595,7 +626,7 @@ static int plain_word(struct ro_imds *m, const char *what, const char *body, cha
 	for (size_t i = 0; i < n; i++) {
 		unsigned char c = (unsigned char)body[i];
 
-		if (!isalnum(c) && !strchr(":._-", c) && !(extra && strchr(extra, c)))
+		if (!isalnum(c) && !strchr(":._-", c))
 			return fail(m, -EBADMSG, "%s: unexpected character 0x%02x", what, c);
 	}
 	memcpy(buf, body, n);
@@ -611,7 +642,7 @@ int ro_imds_lifecycle(struct ro_imds *m, char *buf, size_t len)
 	r = ro_imds_get(m, "meta-data/autoscaling/target-lifecycle-state", &body, NULL);
 	if (r)
 		return r;
-	r = plain_word(m, "autoscaling/target-lifecycle-state", body, buf, len, NULL);
+	r = ro_imds_parse_word(m, "autoscaling/target-lifecycle-state", body, buf, len);
 	free(body);
 	return r;
 }
@@ -626,23 +657,20 @@ static int64_t parse_maint_time(const char *s)
 	return (int64_t)timegm(&tm) * 1000;
 }
 
-int ro_imds_maintenance(struct ro_imds *m, struct ro_imds_maintenance **ret, size_t *ret_count)
+int ro_imds_parse_maintenance(struct ro_imds *m, const char *body, size_t len,
+			      struct ro_imds_maintenance **ret, size_t *ret_count)
 {
 	static const char what[] = "events/maintenance/scheduled";
 	struct ro_imds_maintenance *ev = NULL;
 	struct json_object *o = NULL;
-	char *body = NULL;
-	size_t len = 0, n;
+	size_t n;
 	int r;
 
 	*ret = NULL;
 	*ret_count = 0;
-	r = ro_imds_get(m, "meta-data/events/maintenance/scheduled", &body, &len);
-	if (r)
-		return r;
 	r = parse_object(m, what, body, len, &o);
 	if (r)
-		goto out;
+		return r;
 	if (!json_object_is_type(o, json_type_array)) {
 		r = fail(m, -EPROTO, "%s: want an array", what);
 		goto out;
@@ -676,6 +704,21 @@ int ro_imds_maintenance(struct ro_imds *m, struct ro_imds_maintenance **ret, siz
 out:
 	free(ev);
 	json_object_put(o);
+	return r;
+}
+
+int ro_imds_maintenance(struct ro_imds *m, struct ro_imds_maintenance **ret, size_t *ret_count)
+{
+	char *body = NULL;
+	size_t len = 0;
+	int r;
+
+	*ret = NULL;
+	*ret_count = 0;
+	r = ro_imds_get(m, "meta-data/events/maintenance/scheduled", &body, &len);
+	if (r)
+		return r;
+	r = ro_imds_parse_maintenance(m, body, len, ret, ret_count);
 	free(body);
 	return r;
 }
@@ -707,7 +750,7 @@ int ro_imds_identity(struct ro_imds *m, struct ro_imds_identity *ret)
 		}
 		if (r)
 			return r;
-		r = plain_word(m, f[i].path, body, (char *)ret + f[i].off, f[i].len, NULL);
+		r = ro_imds_parse_word(m, f[i].path, body, (char *)ret + f[i].off, f[i].len);
 		free(body);
 		if (r)
 			return r;

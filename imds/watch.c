@@ -317,8 +317,8 @@ static void fmt_time(int64_t ms, char *buf, size_t len)
 		       (int)(ms % 1000));
 }
 
-/* JSON string body: the fields hold only what the reads validated or our own text, but
- * an error message may quote a reply, so escape anyway. */
+/* JSON string body. Every text field is escaped: a maintenance event's id and code are
+ * whatever the reply held (any JSON string), and an error message may quote a reply. */
 static void esc(const char *s, char *buf, size_t len)
 {
 	size_t o = 0;
@@ -341,10 +341,13 @@ static void esc(const char *s, char *buf, size_t len)
 int ro_imds_event_json(const struct ro_imds_event *e, char *buf, size_t len)
 {
 	char at[64], dl[64], detail[sizeof(e->detail) * 6 + 1];
+	char state[sizeof(e->state) * 6 + 1], id[sizeof(e->id) * 6 + 1];
 	int n;
 
 	fmt_time(e->at_ms, at, sizeof(at));
 	esc(e->detail, detail, sizeof(detail));
+	esc(e->state, state, sizeof(state));
+	esc(e->id, id, sizeof(id));
 	n = snprintf(buf, len, "{\"event\":\"%s\",\"at\":\"%s\"", ro_imds_event_name(e->kind), at);
 	switch (e->kind) {
 	case RO_IMDS_EV_INTERRUPTION:
@@ -360,12 +363,11 @@ int ro_imds_event_json(const struct ro_imds_event *e, char *buf, size_t len)
 		n += snprintf(buf + n, len - (size_t)n, ",\"notice_time\":\"%s\"", dl);
 		break;
 	case RO_IMDS_EV_LIFECYCLE:
-		n += snprintf(buf + n, len - (size_t)n, ",\"state\":\"%s\"", e->state);
+		n += snprintf(buf + n, len - (size_t)n, ",\"state\":\"%s\"", state);
 		break;
 	case RO_IMDS_EV_MAINTENANCE:
 	case RO_IMDS_EV_MAINTENANCE_CANCELLED:
-		n += snprintf(buf + n, len - (size_t)n, ",\"id\":\"%s\",\"code\":\"%s\"", e->id,
-			      e->state);
+		n += snprintf(buf + n, len - (size_t)n, ",\"id\":\"%s\",\"code\":\"%s\"", id, state);
 		if (e->kind == RO_IMDS_EV_MAINTENANCE && e->deadline_ms > 0) {
 			fmt_time(e->deadline_ms, dl, sizeof(dl));
 			n += snprintf(buf + n, len - (size_t)n, ",\"not_before\":\"%s\"", dl);

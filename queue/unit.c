@@ -222,6 +222,63 @@ static int parse_fields(struct json_object *root, const struct ro_unit_bounds *b
 	return 0;
 }
 
+/* A JSON number as RFC 8259 spells it: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? */
+static bool json_number(const char *s)
+{
+	if (*s == '-')
+		s++;
+	if (*s == '0')
+		s++;
+	else if (*s >= '1' && *s <= '9')
+		while (*s >= '0' && *s <= '9')
+			s++;
+	else
+		return false;
+	if (*s == '.') {
+		if (!(*++s >= '0' && *s <= '9'))
+			return false;
+		while (*s >= '0' && *s <= '9')
+			s++;
+	}
+	if (*s == 'e' || *s == 'E') {
+		if (*++s == '+' || *s == '-')
+			s++;
+		if (!(*s >= '0' && *s <= '9'))
+			return false;
+		while (*s >= '0' && *s <= '9')
+			s++;
+	}
+	return !*s;
+}
+
+/* json-c reads numbers no JSON parser takes ("1.", "NaN", "Infinity", "1e400") and writes
+ * each back as it was spelled, so the body stored and the meta copied into every sample
+ * would not be JSON to the trainer. Every real number must be a finite JSON number. The
+ * tokener's depth bounds the recursion. */
+static bool numbers_valid(struct json_object *o)
+{
+	switch (json_object_get_type(o)) {
+	case json_type_double:
+		return isfinite(json_object_get_double(o)) &&
+		       json_number(json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN));
+	case json_type_object: {
+		json_object_object_foreach (o, key, val) {
+			(void)key;
+			if (!numbers_valid(val))
+				return false;
+		}
+		return true;
+	}
+	case json_type_array:
+		for (size_t i = 0; i < json_object_array_length(o); i++)
+			if (!numbers_valid(json_object_array_get_idx(o, i)))
+				return false;
+		return true;
+	default:
+		return true;
+	}
+}
+
 int ro_unit_parse(const char *json, size_t len, const struct ro_unit_bounds *b, struct ro_unit *ret,
 		  char *w, size_t wl)
 {
@@ -239,6 +296,8 @@ int ro_unit_parse(const char *json, size_t len, const struct ro_unit_bounds *b, 
 	tok = json_tokener_new_ex(16);
 	if (!tok)
 		return -ENOMEM;
+	/* strings must be UTF-8: the body and meta go on to the trainer as JSON */
+	json_tokener_set_flags(tok, JSON_TOKENER_VALIDATE_UTF8);
 	root = json_tokener_parse_ex(tok, json, (int)len);
 	if (!root) {
 		enum json_tokener_error e = json_tokener_get_error(tok);
@@ -259,6 +318,10 @@ int ro_unit_parse(const char *json, size_t len, const struct ro_unit_bounds *b, 
 	}
 	if (!json_object_is_type(root, json_type_object)) {
 		r = why(w, wl, "a unit must be a JSON object");
+		goto out;
+	}
+	if (!numbers_valid(root)) {
+		r = why(w, wl, "not valid JSON: a number that is not a finite JSON number");
 		goto out;
 	}
 	r = parse_fields(root, b, &u, w, wl);

@@ -368,7 +368,7 @@ Test(policy, a_drain_does_not_wait_for_a_download)
 	struct ro_policy_manifest m = {0};
 	struct ro_fetch_opts fo = {0};
 	struct ro_test_agent a;
-	struct ro_test_mock mk;
+	struct ro_test_mock mk = {0};
 	char ep[128], fire[96];
 	const char *extra[] = {"--policy-version", "1",	 "--max-inflight", "4",
 			       "--claim-batch",	   "1",	 "--imds-poll-ms", "200",
