@@ -381,6 +381,14 @@ void ro_redis_url_redact(const char *url, char *out, size_t len)
 		char *v = pw + 9, *e = v + strcspn(v, "&");
 
 		if (e - v > 3 || strncmp(v, "***", 3)) {
+			/* a value shorter than *** grows the text: only within out */
+			if (e - v < 3 && strlen(out) + (size_t)(3 - (e - v)) + 1 > len) {
+				if ((size_t)(v - out) + 4 <= len)
+					memcpy(v, "***", 4);
+				else
+					*v = '\0';
+				break;
+			}
 			memmove(v + 3, e, strlen(e) + 1);
 			memcpy(v, "***", 3);
 		}

@@ -8,7 +8,8 @@
 # From the top Makefile: srcdir abs_srcdir FUZZ_CC FUZZ_TARGETS DEP_CFLAGS DEP_LIBS
 
 QUEUE_SRC = queue/conn.c queue/queue.c queue/unit.c queue/progress.c gen/queue/scripts_lua.c
-MODEL_SRC = kernels/model.c kernels/safetensors.c kernels/pool.c kernels/sampler.c \
+MODEL_SRC = kernels/model.c kernels/loader.c kernels/cpu/attention.c kernels/cpu/moe.c \
+	kernels/safetensors.c kernels/pool.c kernels/sampler.c \
 	kernels/make_model.c kernels/cpu/gemm.c kernels/ep/fabric.c kernels/ep/dispatch.c
 
 SRC_safetensors = kernels/safetensors.c
