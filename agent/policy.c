@@ -113,7 +113,9 @@ static void on_policy(void *arg, struct ro_queue_result *res)
 	struct load *l;
 
 	a->policy_busy = false;
-	if (res->r < 0 && res->r != -ETIMEDOUT && res->r != -ECONNRESET &&
+	/* what the server answered (not a lost connection, which the connection says) */
+	if ((res->r == -EPROTO || res->r == -EMSGSIZE || res->r == -EBADMSG ||
+	     res->r == -EINVAL || res->r == -ENOTSUP) &&
 	    ro_now_ms() >= a->policy_read_log_ms) {
 		/* a policy key of another type, a manifest over the reply cap: said, once a
 		 * minute, and the running weights kept */

@@ -1168,14 +1168,25 @@ Test(agent, unit_too_big_for_memory_is_dead_lettered, .timeout = 120)
 	char q[64], *js, *why;
 	struct ro_test_agent a;
 
+	char big[256], cmd[1024];
+
+	/* a model whose context holds the unit (max_position_embeddings 2^24): only memory
+	 * stops it */
+	(void)snprintf(big, sizeof(big), "%s/ctxbig", dir);
+	(void)snprintf(cmd, sizeof(cmd),
+		       "rm -rf %s && cp -r %s %s && sed -i 's/\"max_position_embeddings\": [0-9]*/"
+		       "\"max_position_embeddings\": 16777216/' %s/config.json",
+		       big, model, big, big);
+	cr_assert_eq(system(cmd), 0, "%s", cmd);
 	ro_test_name("toobig", q, sizeof(q));
-	js = unit_json("big", 16000, 64, 1 << 24, 1);
+	js = unit_json("big", 16000, 64, (1 << 24) - 16000, 1);
 	enqueue_json(q, js);
 	free(js);
-	start(&a, "a", q,
-	      (const char *const[]){"--imds", "false", "--max-attempts", "2", "--max-prompt",
-				    "16000", "--max-new-tokens", "16777216", NULL},
-	      NULL);
+	ro_test_agent_start(&a, dir, big, redis_url(), "a", q,
+			    (const char *const[]){"--imds", "false", "--max-attempts", "2",
+						  "--max-prompt", "16000", "--max-new-tokens",
+						  "16777216", NULL},
+			    NULL);
 	if (!wait_dead(c, q, 1, 60000))
 		ro_test_agent_dump_log(&a);
 	cr_assert_eq(dead_count(c, q), 1);
