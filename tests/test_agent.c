@@ -422,31 +422,66 @@ Test(agent, rebalance_stop_claiming_and_ignore)
 	ro_test_mock_stop(&mk);
 }
 
+/* A number of the agent's status, and a wait (bounded in count) until it equals want, or
+ * reaches it with at_least. */
+static double bp_field(struct ro_test_agent *a, const char *key)
+{
+	return ro_test_json_field(ro_test_agent_status(a, "status\n"), key);
+}
+
+static bool bp_wait(struct ro_test_agent *a, const char *key, double want, bool at_least)
+{
+	for (int i = 0; i < 4000; i++) {
+		double v = bp_field(a, key);
+
+		if (at_least ? v >= want : v == want)
+			return true;
+		ro_test_msleep(25);
+	}
+	return false;
+}
+
+/* Backpressure, asserted on events rather than on how fast the machine is: the trainer's
+ * stream holds more unread entries than high-water before the agent starts, so at most the
+ * units claimed before its first lag reading run; once it reports backpressure and has
+ * nothing in flight, two more lag readings (seen as the reported lag following entries the
+ * test adds) pass, and each is followed by a claim opportunity the agent must not take. */
 Test(agent, backpressure_stops_and_resumes_claims)
 {
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	char q[64];
 	struct ro_test_agent a;
+	double claimed, lag;
 	long done_then;
 
 	ro_test_name("bp", q, sizeof(q));
 	ro_test_int(c, "XGROUP CREATE ro:{%s}:samples trainer $ MKSTREAM", q);
+	for (int i = 0; i < 11; i++)
+		freeReplyObject(redisCommand(c, "XADD ro:{%s}:samples * unit old idx %d", q, i));
 	enqueue(q, "u", 40, 2, ro_test_scaled(60), 0, 0);
 	start(&a, "a", q,
 	      (const char *const[]){"--imds", "false", "--high-water", "10", "--claim-batch", "1",
 				    "--max-inflight", "4", NULL},
 	      NULL);
-	for (int i = 0; i < 100 && !strstr(ro_test_agent_status(&a, "status\n"), "\"backpressure\":true"); i++)
-		ro_test_msleep(50);
-	cr_assert(strstr(ro_test_agent_status(&a, "status\n"), "\"backpressure\":true"), "%s",
-		  ro_test_agent_status(&a, "status\n"));
-	ro_test_msleep(1500);
+	/* whatever was claimed before the first lag reading finishes, and nothing follows it */
+	cr_assert(bp_wait(&a, "backpressure", 1, false), "%s", ro_test_agent_status(&a, "status\n"));
+	cr_assert(bp_wait(&a, "in_flight", 0, false), "%s", ro_test_agent_status(&a, "status\n"));
+	cr_assert(bp_wait(&a, "units", 0, false), "%s", ro_test_agent_status(&a, "status\n"));
+	claimed = bp_field(&a, "claimed");
 	done_then = done_count(c, q);
-	ro_test_msleep(1000);
+	cr_expect_lt(done_then, 40, "backpressure from the first lag reading");
+	for (int k = 0; k < 2; k++) {
+		lag = bp_field(&a, "lag");
+		freeReplyObject(redisCommand(c, "XADD ro:{%s}:samples * unit old idx x%d", q, k));
+		cr_assert(bp_wait(&a, "lag", lag + 1, true), "lag reading %d: %s", k,
+			  ro_test_agent_status(&a, "status\n"));
+	}
+	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), "\"backpressure\":true"));
+	cr_expect_eq(bp_field(&a, "claimed"), claimed, "no claims while the trainer is behind: %s",
+		     ro_test_agent_status(&a, "status\n"));
 	cr_expect_eq(done_count(c, q), done_then, "no claims while the trainer is behind");
-	cr_expect_lt(done_then, 40);
 	/* the trainer reads and acknowledges everything: claims resume */
-	for (int round = 0; round < 200 && done_count(c, q) < 40; round++) {
+	for (int round = 0; round < 4000 && done_count(c, q) < 40; round++) {
 		redisReply *r = redisCommand(c, "XREADGROUP GROUP trainer t1 COUNT 1000 STREAMS "
 						"ro:{%s}:samples >",
 					     q);
@@ -458,7 +493,7 @@ Test(agent, backpressure_stops_and_resumes_claims)
 				    r->element[0]->element[1]->element[i]->element[0]->str));
 		if (r)
 			freeReplyObject(r);
-		ro_test_msleep(50);
+		ro_test_msleep(25);
 	}
 	cr_expect_eq(done_count(c, q), 40, "all units done once the trainer caught up");
 	kill(a.pid, SIGTERM);
