@@ -168,11 +168,15 @@ static void shape_of(const struct ro_model_config *c, struct shape *s)
 	s->router_params = H * c->experts;
 	s->expert_params = 3.0 * H * c->expert_ffn;
 	s->head_params = H * c->vocab;
-	s->attn_bytes = s->attn_params * 2;
-	s->router_bytes = s->router_params * 2;
-	s->expert_bytes = s->expert_params * 2;
-	s->head_bytes = s->head_params * 2;
-	s->embed_row_bytes = H * 2;
+	/* the bytes the kernels stream per parameter: BF16 is read as stored, F16 is widened to
+	 * F32 at load (kernels/loader.c), F32 is 4; the embedding is read as stored */
+	const double wb = !strcmp(c->dtype, "BF16") ? 2 : 4, eb = !strcmp(c->dtype, "F32") ? 4 : 2;
+
+	s->attn_bytes = s->attn_params * wb;
+	s->router_bytes = s->router_params * wb;
+	s->expert_bytes = s->expert_params * wb;
+	s->head_bytes = s->head_params * wb;
+	s->embed_row_bytes = H * eb;
 	s->layers = c->layers;
 	s->heads = c->heads;
 	s->kv_row = c->kv_heads * c->head_dim;
@@ -388,6 +392,7 @@ int main(int argc, char **argv)
 	    {0},
 	};
 	const char *dir = "/tmp/rolloutd-decode-bench-model";
+	bool own_model = false;
 	uint32_t steps = 8, threads = 0, batches[16] = {1, 8, 32, 128}, nb = 4, plen = 32;
 	uint32_t prefill_len = 512;
 	struct chunked ck = {.batches = {8, 32}, .nb = 2, .chunk = 256, .prompt = 2000, .steps = 4};
@@ -404,6 +409,7 @@ int main(int argc, char **argv)
 	while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1) {
 		if (ch == 'm') {
 			dir = optarg;
+			own_model = true; /* loaded as it is, never written */
 		} else if (ch == 's') {
 			steps = (uint32_t)atoi(optarg);
 		} else if (ch == 't') {
@@ -445,7 +451,7 @@ int main(int argc, char **argv)
 	for (uint32_t i = 0; i < ck.nb; i++)
 		if (!ck.batches[i])
 			return 2;
-	if (ro_bench_model_ensure("decode_bench", dir, 2026))
+	if (!own_model && ro_bench_model_ensure("decode_bench", dir, 2026))
 		return 1;
 	mo.threads = threads;
 	if (ro_model_load(dir, &mo, &m, err, sizeof(err))) {
@@ -457,10 +463,10 @@ int main(int argc, char **argv)
 	ro_model_sizes(m, &total, &active);
 	threads = ro_model_threads(m);
 	(void)printf("model: %s, %u layers, hidden %u, %u experts top-%u, expert FFN %u, vocab %u, "
-		     "%s\n       %.2fB parameters in all, %.3fB touched per token; kernels %s, "
+		     "%s\n       %.2f GB of weights in all, %.3f GB touched per token; kernels %s, "
 		     "%u threads\n",
 		     dir, c->layers, c->hidden, c->experts, c->top_k, c->expert_ffn, c->vocab,
-		     c->dtype, total / 2e9, active / 2e9, ro_model_kernels(m), threads);
+		     c->dtype, total / 1e9, active / 1e9, ro_model_kernels(m), threads);
 	if (run_decode) {
 		(void)fprintf(stderr, "decode_bench: measuring the machine (%u threads) ...\n",
 			      threads);
