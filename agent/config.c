@@ -329,7 +329,8 @@ static int load_file(struct ro_config *c, const char *path, bool must, FILE *err
 
 static void usage(FILE *f)
 {
-	(void)fprintf(f, "usage: rolloutd [--config FILE] [--print-config] [--SETTING VALUE ...]\n\n"
+	(void)fprintf(f, "usage: rolloutd [--config FILE] [--print-config] [--SETTING VALUE ...]\n"
+			 "       rolloutd --version\n\n"
 			 "Every setting is also ROLLOUTD_<NAME> in the environment and a\n"
 			 "\"name = value\" line of the config file (default "
 			 "/etc/rolloutd/rolloutd.conf).\nFlags beat environment beat file.\n\n");

@@ -24,6 +24,7 @@
 
 #include "agent/agent.h"
 #include "agent/log.h"
+#include "agent/version.h"
 
 static volatile sig_atomic_t sigterms, sigints;
 
@@ -362,6 +363,10 @@ int main(int argc, char **argv)
 	char err[512] = "", redis_shown[1024];
 	int r, rc = 0;
 
+	if (argc == 2 && !strcmp(argv[1], "--version")) {
+		ro_version_print(stdout, "rolloutd");
+		return 0;
+	}
 	r = ro_config_load(&a->cfg, argc, argv, stdout, stderr);
 	if (r)
 		return r > 0 ? 0 : 2;

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "agent/ctl.h"
+#include "agent/version.h"
 #include "agent/fetch.h"
 #include "queue/queue.h"
 
@@ -41,6 +42,7 @@ static void usage(FILE *f)
 {
 	(void)fputs(
 	    "usage: rolloutctl [--redis URL] [--queue NAME] [--json] COMMAND ...\n"
+	    "       rolloutctl --version\n"
 	    "\n"
 	    "commands:\n"
 	    "  enqueue FILE|-          add units from JSON lines; every bad line is reported by\n"
@@ -604,7 +606,18 @@ static bool parse_u32(const char *s, uint32_t *ret)
 	return true;
 }
 
+static int ctl_main(int argc, char **argv);
+
 int main(int argc, char **argv)
+{
+	if (argc == 2 && (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version"))) {
+		ro_version_print(stdout, "rolloutctl");
+		return 0;
+	}
+	return ctl_main(argc, argv);
+}
+
+static int ctl_main(int argc, char **argv)
 {
 	enum {
 		O_REDIS = 256,

@@ -4,6 +4,8 @@
  * computed the same way whatever shares the batch: that is what makes a sample independent
  * of its batch and of how its prompt was chunked. Sequences (their caches) live here; the
  * loader, attention and the expert layer have files of their own. */
+#include "config.h"
+
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -11,6 +13,15 @@
 #include <string.h>
 
 #include "kernels/model_internal.h"
+
+bool ro_kernels_cuda_built(void)
+{
+#ifdef HAVE_CUDA
+	return true;
+#else
+	return false;
+#endif
+}
 
 /* ---- sequences ------------------------------------------------------------------------- */
 

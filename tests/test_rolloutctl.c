@@ -1,6 +1,8 @@
 /* rolloutctl as a user runs it: the real binary against the binary's redis-server, its
  * output, its exit codes (0 ok, 1 failure, 2 usage), and that a refused file writes
  * nothing. */
+#include "config.h"
+
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -340,4 +342,30 @@ Test(ctl, generate_refuses_hostile_flags_and_models)
 				 "model.layers.0.mlp.experts.1.up_proj.weight: element 3 is NaN"),
 		  "%s", r->err);
 	cr_expect(!strstr(r->out, "nan"), "%s", r->out);
+}
+
+/* --version on both binaries: the release, the commit when built from git, the backends */
+Test(ctl, version_names_release_cuda_and_providers)
+{
+	char cmd[1024], out[4096] = "";
+	struct run *r;
+	FILE *p;
+	size_t n;
+
+	bare = true;
+	r = ctl(NULL, "--version", NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_expect(!strncmp(r->out, "rolloutctl " PACKAGE_VERSION, strlen("rolloutctl " PACKAGE_VERSION)),
+		  "%s", r->out);
+	cr_expect(strstr(r->out, "\ncuda: yes\n") || strstr(r->out, "\ncuda: no\n"), "%s", r->out);
+	cr_expect(strstr(r->out, "\nlibfabric: "), "%s", r->out);
+	(void)snprintf(cmd, sizeof(cmd), "'%s' --version", getenv("RO_ROLLOUTD"));
+	p = popen(cmd, "r");
+	cr_assert(p);
+	n = fread(out, 1, sizeof(out) - 1, p);
+	out[n] = 0;
+	cr_expect_eq(pclose(p), 0);
+	cr_expect(!strncmp(out, "rolloutd " PACKAGE_VERSION, strlen("rolloutd " PACKAGE_VERSION)), "%s",
+		  out);
+	cr_expect(strstr(out, "\nlibfabric: "), "%s", out);
 }
