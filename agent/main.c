@@ -140,10 +140,28 @@ static char *with_suffix(const char *s, uint32_t rank)
 	return r;
 }
 
+/* Rank i's metrics file: node_exporter's textfile collector reads only *.prom, so
+ * rolloutd.prom becomes rolloutd-rank1.prom (another name gains -rank1 at its end). */
+static char *rank_metrics(const char *s, uint32_t rank)
+{
+	size_t n = s ? strlen(s) : 0;
+	char *r = NULL;
+
+	if (!n)
+		return strdup("");
+	if (n > 5 && !strcmp(s + n - 5, ".prom")) {
+		if (asprintf(&r, "%.*s-rank%u.prom", (int)(n - 5), s, rank) < 0)
+			return NULL;
+	} else if (asprintf(&r, "%s-rank%u", s, rank) < 0) {
+		return NULL;
+	}
+	return r;
+}
+
 /* --ep-local-ranks N: fork the N ranks of one group on this host and wait for them. Rank 0
  * keeps the control socket, the metrics file and the IMDS watch; ranks 1.. take
- * <path>.rank<i> and learn of drains in band, from the group. Signals are forwarded. This
- * process is what systemd sees: it sends READY, WATCHDOG and STOPPING for the group.
+ * <socket>.rank<i> and <metrics stem>-rank<i>.prom and learn of drains in band, from the
+ * group. Signals are forwarded. This process is what systemd sees: it sends READY, WATCHDOG and STOPPING for the group.
  * Returns -1 in a child (which goes on as its rank), else the exit status: 0 when every
  * rank exited 0, else the first failure's. */
 static int run_local_ranks(struct ro_agent *a)
@@ -183,7 +201,7 @@ static int run_local_ranks(struct ro_agent *a)
 			a->local_group = true;
 			if (i > 0) {
 				char *cs = with_suffix(a->cfg.control_socket, i),
-				     *mf = with_suffix(a->cfg.metrics_file, i);
+				     *mf = rank_metrics(a->cfg.metrics_file, i);
 
 				free(a->cfg.control_socket);
 				free(a->cfg.metrics_file);

@@ -13,6 +13,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -814,6 +815,18 @@ Test(agent, ep_group_sum_combine_bf16, .timeout = 180)
 	if (!wait_done(c, q, 6, 90000)) {
 		ro_test_agent_dump_log(&g);
 		cr_assert_fail("not all units completed");
+	}
+	{
+		/* rank 1's metrics are a *.prom file too, for node_exporter's textfile collector */
+		char m1[300];
+		size_t n = strlen(g.metrics) - strlen(".prom");
+		struct stat st;
+		bool seen = false;
+
+		(void)snprintf(m1, sizeof(m1), "%.*s-rank1.prom", (int)n, g.metrics);
+		for (int i = 0; i < 2000 && !(seen = stat(m1, &st) == 0); i++)
+			ro_test_msleep(25);
+		cr_expect(seen, "%s", m1);
 	}
 	kill(g.pid, SIGTERM);
 	cr_expect_eq(ro_test_agent_wait_exit(&g, 20000), 0);
