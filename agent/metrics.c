@@ -2,6 +2,8 @@
  * every metrics interval for node_exporter's textfile collector), systemd's STATUS= line,
  * and the worker heartbeat hash in Redis (sent asynchronously; a Redis outage only delays
  * it). */
+#include "config.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -12,6 +14,7 @@
 
 #include "agent/agent.h"
 #include "agent/log.h"
+#include "kernels/model.h"
 
 /* A new temporary file beside path, for the rename into place. The directory may be one
  * others can write to (a textfile collector's): whatever is already at a candidate name (a
@@ -47,10 +50,26 @@ static FILE *open_tmp(const char *path, char *tmp, size_t len)
 	return NULL;
 }
 
+/* A Prometheus label value: backslash, double quote and newline escaped, cut to fit. */
+static void label_value(const char *s, char *out, size_t len)
+{
+	size_t o = 0;
+
+	for (; s && *s && o + 3 < len; s++) {
+		if (*s == '\\' || *s == '"' || *s == '\n') {
+			out[o++] = '\\';
+			out[o++] = *s == '\n' ? 'n' : *s;
+		} else {
+			out[o++] = *s;
+		}
+	}
+	out[o] = 0;
+}
+
 void ro_metrics_write(struct ro_agent *a)
 {
 	const char *path = a->cfg.metrics_file;
-	char tmp[4200];
+	char tmp[4200], wl[512], ql[512], gl[256];
 	uint32_t active, held = 0;
 	double tps;
 	uint64_t tokens;
@@ -73,11 +92,21 @@ void ro_metrics_write(struct ro_agent *a)
 			       "metrics file %s: no temporary file beside it: %m", path);
 		return;
 	}
+	label_value(a->worker, wl, sizeof(wl));
+	label_value(a->cfg.queue, ql, sizeof(ql));
+	/* the build, as Prometheus's *_build_info convention has it: labels, value 1 */
+	label_value(RO_GIT_DESCRIBE, gl, sizeof(gl));
+	(void)fprintf(f,
+		      "# HELP rolloutd_build_info The build of rolloutd: version, git describe, "
+		      "CUDA backend.\n# TYPE rolloutd_build_info gauge\n"
+		      "rolloutd_build_info{worker=\"%s\",queue=\"%s\",version=\"%s\",git=\"%s\","
+		      "cuda=\"%s\"} 1\n",
+		      wl, ql, PACKAGE_VERSION, gl, ro_kernels_cuda_built() ? "yes" : "no");
 #define M(type, name, help, fmt, v)                                                       \
 	(void)fprintf(f,                                                                  \
 		      "# HELP rolloutd_" name " " help "\n# TYPE rolloutd_" name " " type \
-		      "\nrolloutd_" name "{worker=\"%s\"} " fmt "\n",                     \
-		      a->worker, v)
+		      "\nrolloutd_" name "{worker=\"%s\",queue=\"%s\"} " fmt "\n",       \
+		      wl, ql, v)
 #define C(name, help, v) M("counter", name, help, "%llu", (unsigned long long)(v))
 #define G(name, help, fmt, v) M("gauge", name, help, fmt, v)
 	C("units_claimed_total", "Units claimed (and, at start, still held).", a->n.claimed);
@@ -99,7 +128,10 @@ void ro_metrics_write(struct ro_agent *a)
 	  a->n.lease_losses);
 	C("stale_writes_refused_total", "Writes Redis refused because the lease was not ours.",
 	  a->n.stale_refused);
-	G("decode_tokens_per_second", "Decode rate (EWMA).", "%.3f", tps);
+	G("decode_tokens_per_second",
+	  "Decode rate, an EWMA gauge; rate(rolloutd_tokens_generated_total[1m]) is the "
+	  "conventional rate.",
+	  "%.3f", tps);
 	G("inflight_sequences", "Sequences being decoded.", "%u", active);
 	G("inflight_units", "Units held.", "%u", held);
 	G("backpressure", "1 while the trainer's lag stops claims.", "%d", a->backpressure ? 1 : 0);
@@ -138,8 +170,8 @@ void ro_metrics_write(struct ro_agent *a)
 	}
 	(void)fprintf(f, "# HELP rolloutd_state Current state.\n# TYPE rolloutd_state gauge\n");
 	for (int s = RO_RUNNING; s <= RO_DRAINED; s++)
-		(void)fprintf(f, "rolloutd_state{worker=\"%s\",state=\"%s\"} %d\n", a->worker,
-			      ro_state_name((enum ro_state)s), a->state == (enum ro_state)s);
+		(void)fprintf(f, "rolloutd_state{worker=\"%s\",queue=\"%s\",state=\"%s\"} %d\n", wl,
+			      ql, ro_state_name((enum ro_state)s), a->state == (enum ro_state)s);
 #undef C
 #undef G
 #undef M

@@ -5,6 +5,8 @@
  * than the schema's (worker heartbeats, the queue's lists, stats, policy, a dead unit's
  * record) are reported by rolloutctl, which still shows the rest, and cost the agent
  * nothing. A symlink planted at the metrics file's temporary name is never followed. */
+#include "config.h"
+
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -602,12 +604,20 @@ Test(hostile, metrics_temp_symlink_is_not_followed)
 	f = fopen(a.metrics, "r");
 	cr_assert_not_null(f);
 	{
-		char line[256];
-		bool found = false;
+		char line[512], want[256];
+		bool found = false, labelled = false, build = false;
 
-		while (fgets(line, sizeof(line), f))
+		(void)snprintf(want, sizeof(want), ",queue=\"%s\"}", q);
+		while (fgets(line, sizeof(line), f)) {
 			found |= !strncmp(line, "rolloutd_units_claimed_total", 28);
+			labelled |= !strncmp(line, "rolloutd_units_claimed_total{", 29) &&
+				    strstr(line, want);
+			build |= !strncmp(line, "rolloutd_build_info{", 20) &&
+				 strstr(line, "version=\"" PACKAGE_VERSION "\"") && strstr(line, "} 1\n");
+		}
 		cr_expect(found, "the metrics file holds the metrics");
+		cr_expect(labelled, "every series carries the queue label");
+		cr_expect(build, "rolloutd_build_info{version=...} 1");
 	}
 	(void)fclose(f);
 	kill(a.pid, SIGTERM);
