@@ -404,6 +404,37 @@ out:
 	return rc;
 }
 
+/* A worker's hash holds every field as a string: those that are plain decimal numbers
+ * ("3", "-1", "12.5", not "007" or "1e3") become JSON numbers. */
+static void numbers_as_numbers(struct json_object *o)
+{
+	json_object_object_foreach(o, key, val)
+	{
+		const char *v = json_object_is_type(val, json_type_string)
+					? json_object_get_string(val)
+					: NULL;
+		const char *p = v;
+		bool dot = false, ok;
+
+		if (!v)
+			continue;
+		if (*p == '-')
+			p++;
+		ok = *p >= '0' && *p <= '9' && !(p[0] == '0' && p[1] >= '0' && p[1] <= '9');
+		for (; ok && *p; p++) {
+			if (*p == '.' && !dot && p[1] >= '0' && p[1] <= '9')
+				dot = true;
+			else if (*p < '0' || *p > '9')
+				ok = false;
+		}
+		if (!ok || strlen(v) > 18)
+			continue;
+		json_object_object_add(o, key,
+				       dot ? json_object_new_double(strtod(v, NULL))
+					   : json_object_new_int64(strtoll(v, NULL, 10)));
+	}
+}
+
 static int cmd_status(const struct ctl *c)
 {
 	struct ro_queue *q = NULL;
@@ -435,8 +466,11 @@ static int cmd_status(const struct ctl *c)
 		for (uint32_t i = 0; i < s.n_workers; i++) {
 			struct json_object *e = json_tokener_parse(s.workers[i].fields);
 
-			if (!e)
+			if (!e || !json_object_is_type(e, json_type_object)) {
+				json_object_put(e);
 				e = json_object_new_object();
+			}
+			numbers_as_numbers(e);
 			json_object_object_add(e, "id", json_object_new_string(s.workers[i].id));
 			json_object_object_add(e, "age_ms",
 					       json_object_new_int64(s.workers[i].age_ms));
@@ -508,6 +542,9 @@ static int cmd_dead(const struct ctl *c, int argc, char **argv)
 	if (r)
 		return EXIT_FAILURE;
 	if (!strcmp(argv[0], "list")) {
+		/* --json: one array (an empty list is []), written once the whole list is read */
+		struct json_object *all = c->json ? json_object_new_array() : NULL;
+
 		for (uint32_t start = 0;; start += 256) {
 			struct ro_dead *d = NULL;
 			size_t n = 0;
@@ -530,9 +567,7 @@ static int cmd_dead(const struct ctl *c, int argc, char **argv)
 							       json_object_new_string(d[i].reason));
 					json_object_object_add(o, "history",
 							       h ? h : json_object_new_array());
-					(void)printf("%s\n", json_object_to_json_string_ext(
-								 o, JSON_C_TO_STRING_PLAIN));
-					json_object_put(o);
+					json_object_array_add(all, o);
 				} else {
 					(void)printf("%-40s attempt %u  %s\n", d[i].id,
 						     d[i].attempt, d[i].reason);
@@ -542,6 +577,9 @@ static int cmd_dead(const struct ctl *c, int argc, char **argv)
 			if (n < 256)
 				break;
 		}
+		if (all && rc == EXIT_SUCCESS)
+			(void)printf("%s\n", json_object_to_json_string_ext(all, JSON_C_TO_STRING_PLAIN));
+		json_object_put(all);
 	} else if (!strcmp(argv[0], "retry")) {
 		r = ro_queue_dead_retry(q, argv[1]);
 		if (r)
@@ -608,13 +646,74 @@ static bool parse_u32(const char *s, uint32_t *ret)
 
 static int ctl_main(int argc, char **argv);
 
+/* --json: what would go to stderr as text goes there as JSON, one object per line,
+ * {"error": "...", "code": N} with N the exit status ({"warning": ...} when it is 0). The
+ * lines are held until the command ends, since the code is known only then; a usage error
+ * that exits early is code 2, and the usage text is cut to its first line. */
+static FILE *json_err_real;
+static char *json_err_buf;
+static size_t json_err_len;
+static int json_err_code = EXIT_USAGE;
+
+static void json_err_flush(void)
+{
+	char *line, *save = NULL;
+	unsigned emitted = 0;
+
+	(void)fflush(stderr);
+	if (!json_err_real)
+		return;
+	for (line = json_err_buf ? strtok_r(json_err_buf, "\n", &save) : NULL; line;
+	     line = strtok_r(NULL, "\n", &save)) {
+		struct json_object *o;
+		const char *msg = !strncmp(line, "rolloutctl: ", 12) ? line + 12 : line;
+		bool usage_text = !strncmp(msg, "usage:", 6);
+
+		/* the usage text after an error is for people: its first line stands for it */
+		if (usage_text && emitted)
+			break;
+		emitted++;
+		o = json_object_new_object();
+		json_object_object_add(o, json_err_code ? "error" : "warning",
+				       json_object_new_string(msg));
+		if (json_err_code)
+			json_object_object_add(o, "code", json_object_new_int(json_err_code));
+		(void)fprintf(json_err_real, "%s\n",
+			      json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN));
+		json_object_put(o);
+		if (usage_text)
+			break;
+	}
+	(void)fflush(json_err_real);
+}
+
 int main(int argc, char **argv)
 {
+	FILE *m;
+	int rc, fd;
+
 	if (argc == 2 && (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version"))) {
 		ro_version_print(stdout, "rolloutctl");
 		return 0;
 	}
-	return ctl_main(argc, argv);
+	for (int i = 1; i < argc && !json_err_real; i++) {
+		if (strcmp(argv[i], "--json"))
+			continue;
+		fd = dup(STDERR_FILENO);
+		json_err_real = fd >= 0 ? fdopen(fd, "w") : NULL;
+		m = json_err_real ? open_memstream(&json_err_buf, &json_err_len) : NULL;
+		if (m) {
+			stderr = m;
+			(void)atexit(json_err_flush);
+		} else if (json_err_real) {
+			(void)fclose(json_err_real);
+			json_err_real = NULL;
+			break;
+		}
+	}
+	rc = ctl_main(argc, argv);
+	json_err_code = rc;
+	return rc;
 }
 
 static int ctl_main(int argc, char **argv)

@@ -133,6 +133,24 @@ Test(ctl, enqueue_and_status)
 	cr_assert_eq(r->status, 0, "%s", r->err);
 	cr_assert(strstr(r->out, "\"pending\":3,"), "%s", r->out);
 	cr_assert(strstr(r->out, "\"dead\":0,"), "%s", r->out);
+	/* a worker's hash holds strings; status --json gives numbers as numbers */
+	{
+		redisReply *t = redisCommand(R, "TIME");
+		long long now = t ? atoll(t->element[0]->str) * 1000 : 0;
+
+		freeReplyObject(t);
+		freeReplyObject(redisCommand(R,
+					     "HSET ro:{%s}:worker:w9 last_seen_ms %lld units 0 "
+					     "tokens_per_s 12.5 state running version 007",
+					     Q, now));
+		freeReplyObject(redisCommand(R, "ZADD ro:{%s}:workers %lld w9", Q, now));
+	}
+	r = ctl(NULL, "status", "--json", NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_assert(strstr(r->out, "\"units\":0"), "%s", r->out);
+	cr_assert(strstr(r->out, "\"tokens_per_s\":12.5"), "%s", r->out);
+	cr_assert(strstr(r->out, "\"state\":\"running\""), "%s", r->out);
+	cr_assert(strstr(r->out, "\"version\":\"007\""), "not a decimal number: %s", r->out);
 	r = ctl(NULL, "status", NULL);
 	cr_assert_eq(r->status, 0);
 	cr_assert(strstr(r->out, "pending  3\n"), "%s", r->out);
@@ -268,10 +286,14 @@ Test(ctl, reap_dead_list_retry_purge_samples)
 	cr_assert_eq(r->status, 0);
 	cr_assert(strstr(r->out, "attempt 2  too long for the model"), "%s", r->out);
 	r = ctl(NULL, "dead", "list", "--json", NULL);
+	cr_assert(!strncmp(r->out, "[{\"id\":", 7), "one JSON array: %s", r->out);
 	cr_assert(strstr(r->out, "\"history\":[{"), "%s", r->out);
 	r = ctl(NULL, "dead", "retry", dead_id, NULL);
 	cr_assert_eq(r->status, 0, "%s", r->err);
 	cr_assert_eq(ro_test_int(R, "LLEN ro:{%s}:dead", Q), 0);
+	r = ctl(NULL, "dead", "list", "--json", NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_assert_str_eq(r->out, "[]\n", "an empty list is []");
 	/* complete both, then read them back */
 	cr_assert_eq(ro_test_worker_run(ro_test_redis_url(), Q, "w2", 2, 20, 10000, false), 2);
 	r = ctl(NULL, "samples", "--count", "1", NULL);
@@ -368,4 +390,23 @@ Test(ctl, version_names_release_cuda_and_providers)
 	cr_expect(!strncmp(out, "rolloutd " PACKAGE_VERSION, strlen("rolloutd " PACKAGE_VERSION)), "%s",
 		  out);
 	cr_expect(strstr(out, "\nlibfabric: "), "%s", out);
+}
+
+/* --json: errors are JSON objects on stderr with the exit status as their code */
+Test(ctl, json_errors_carry_their_code)
+{
+	struct run *r = ctl(NULL, "--json", "dead", NULL);
+
+	cr_assert_eq(r->status, 2, "%s", r->err);
+	cr_expect(!strncmp(r->err, "{\"error\":\"usage: rolloutctl", 27), "%s", r->err);
+	cr_expect(strstr(r->err, "\"code\":2}\n"), "%s", r->err);
+	cr_expect_eq(strchr(r->err, '\n') - r->err + 1, (long)strlen(r->err), "one line: %s",
+		     r->err);
+	r = ctl(NULL, "--json", "dead", "retry", "no-such-unit", NULL);
+	cr_assert_eq(r->status, 1, "%s", r->err);
+	cr_expect(!strncmp(r->err, "{\"error\":\"", 10) && strstr(r->err, "\"code\":1}\n"), "%s",
+		  r->err);
+	r = ctl(NULL, "dead", "retry", "no-such-unit", NULL);
+	cr_assert_eq(r->status, 1, "%s", r->err);
+	cr_expect(!strncmp(r->err, "rolloutctl: ", 12), "text without --json: %s", r->err);
 }
