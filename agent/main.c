@@ -161,9 +161,9 @@ static char *rank_metrics(const char *s, uint32_t rank)
 /* --ep-local-ranks N: fork the N ranks of one group on this host and wait for them. Rank 0
  * keeps the control socket, the metrics file and the IMDS watch; ranks 1.. take
  * <socket>.rank<i> and <metrics stem>-rank<i>.prom and learn of drains in band, from the
- * group. Signals are forwarded. This process is what systemd sees: it sends READY, WATCHDOG and STOPPING for the group.
- * Returns -1 in a child (which goes on as its rank), else the exit status: 0 when every
- * rank exited 0, else the first failure's. */
+ * group. Signals are forwarded. This process is what systemd sees: it sends READY, WATCHDOG
+ * and STOPPING for the group. Returns -1 in a child (which goes on as its rank), else the
+ * exit status: 0 when every rank exited 0, else the first failure's. */
 static int run_local_ranks(struct ro_agent *a)
 {
 	const uint32_t n = a->cfg.ep_local_ranks;

@@ -46,7 +46,8 @@ struct ro_model *ro_model_free(struct ro_model *m);
 const struct ro_model_config *ro_model_config(const struct ro_model *m);
 /* "avx2+fma" or "scalar", and the thread count in use. */
 const char *ro_model_kernels(const struct ro_model *m);
-/* Whether this build has the CUDA backend (configure --with-cuda): for --version. */
+/* Whether this build was configured with CUDA (--with-cuda; today that builds the probe
+ * only): for --version and rolloutd_build_info. */
 bool ro_kernels_cuda_built(void);
 uint32_t ro_model_threads(const struct ro_model *m);
 /* Bytes of weights, total and touched by one token (attention, top_k experts, head). */

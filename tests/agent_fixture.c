@@ -165,6 +165,11 @@ double ro_test_json_field(const char *json, const char *key)
 	return strtod(p, NULL);
 }
 
+double ro_test_agent_field(const struct ro_test_agent *ag, const char *key)
+{
+	return ro_test_json_field(ro_test_agent_status(ag, "status\n"), key);
+}
+
 int ro_test_ctl(char *out, size_t len, ...)
 {
 	const char *av[48];

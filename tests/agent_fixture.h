@@ -32,6 +32,8 @@ bool ro_test_agent_log_has(const struct ro_test_agent *ag, const char *what);
 
 /* A number field of a flat JSON object (-1 when absent; true is 1, false 0). */
 double ro_test_json_field(const char *json, const char *key);
+/* ro_test_json_field of the daemon's status. */
+double ro_test_agent_field(const struct ro_test_agent *ag, const char *key);
 
 /* rolloutctl with the arguments (NULL-terminated): its exit status; its stdout and stderr
  * in out. */

@@ -341,7 +341,7 @@ static void drain_by(const char *how)
 	}
 	extra[n] = NULL;
 	start(&a, "a", q, extra, NULL);
-	for (int i = 0; i < 100 && ro_test_json_field(ro_test_agent_status(&a, "status\n"), "in_flight") < 1; i++)
+	for (int i = 0; i < 100 && ro_test_agent_field(&a, "in_flight") < 1; i++)
 		ro_test_msleep(50);
 	if (!strcmp(how, "sigterm")) {
 		kill(a.pid, SIGTERM);
@@ -423,17 +423,12 @@ Test(agent, rebalance_stop_claiming_and_ignore)
 	ro_test_mock_stop(&mk);
 }
 
-/* A number of the agent's status, and a wait (bounded in count) until it equals want, or
- * reaches it with at_least. */
-static double bp_field(struct ro_test_agent *a, const char *key)
-{
-	return ro_test_json_field(ro_test_agent_status(a, "status\n"), key);
-}
-
-static bool bp_wait(struct ro_test_agent *a, const char *key, double want, bool at_least)
+/* Waits (bounded in count) until the agent's status number key equals want, or reaches
+ * it with at_least. */
+static bool bp_wait(const struct ro_test_agent *a, const char *key, double want, bool at_least)
 {
 	for (int i = 0; i < 4000; i++) {
-		double v = bp_field(a, key);
+		double v = ro_test_agent_field(a, key);
 
 		if (at_least ? v >= want : v == want)
 			return true;
@@ -468,17 +463,17 @@ Test(agent, backpressure_stops_and_resumes_claims)
 	cr_assert(bp_wait(&a, "backpressure", 1, false), "%s", ro_test_agent_status(&a, "status\n"));
 	cr_assert(bp_wait(&a, "in_flight", 0, false), "%s", ro_test_agent_status(&a, "status\n"));
 	cr_assert(bp_wait(&a, "units", 0, false), "%s", ro_test_agent_status(&a, "status\n"));
-	claimed = bp_field(&a, "claimed");
+	claimed = ro_test_agent_field(&a, "claimed");
 	done_then = done_count(c, q);
 	cr_expect_lt(done_then, 40, "backpressure from the first lag reading");
 	for (int k = 0; k < 2; k++) {
-		lag = bp_field(&a, "lag");
+		lag = ro_test_agent_field(&a, "lag");
 		freeReplyObject(redisCommand(c, "XADD ro:{%s}:samples * unit old idx x%d", q, k));
 		cr_assert(bp_wait(&a, "lag", lag + 1, true), "lag reading %d: %s", k,
 			  ro_test_agent_status(&a, "status\n"));
 	}
 	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), "\"backpressure\":true"));
-	cr_expect_eq(bp_field(&a, "claimed"), claimed, "no claims while the trainer is behind: %s",
+	cr_expect_eq(ro_test_agent_field(&a, "claimed"), claimed, "no claims while the trainer is behind: %s",
 		     ro_test_agent_status(&a, "status\n"));
 	cr_expect_eq(done_count(c, q), done_then, "no claims while the trainer is behind");
 	/* the trainer reads and acknowledges everything: claims resume */
@@ -995,7 +990,7 @@ Test(agent, long_prefills_keep_their_leases, .timeout = 240)
 		ro_test_agent_dump_log(&a);
 	cr_assert_eq(done_count(c, q), 4, "every unit completes");
 	cr_expect_eq(dead_count(c, q), 0, "none dead-lettered");
-	cr_expect_eq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "lease_losses"), 0, "%s", ro_test_agent_status(&a, "status\n"));
+	cr_expect_eq(ro_test_agent_field(&a, "lease_losses"), 0, "%s", ro_test_agent_status(&a, "status\n"));
 	(void)ro_test_verify_exactly_once(c, q, 4, 2);
 	kill(a.pid, SIGTERM);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
@@ -1023,9 +1018,9 @@ static void drain_without_redis(bool kill_it)
 				    "--drain-margin-ms", "2000", "--lease-ms", "10000",
 				    "--checkpoint-tokens", "8", NULL},
 	      NULL);
-	for (int i = 0; i < 400 && ro_test_json_field(ro_test_agent_status(&a, "status\n"), "in_flight") < 1; i++)
+	for (int i = 0; i < 400 && ro_test_agent_field(&a, "in_flight") < 1; i++)
 		ro_test_msleep(25);
-	cr_assert_geq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "in_flight"), 1, "working");
+	cr_assert_geq(ro_test_agent_field(&a, "in_flight"), 1, "working");
 	if (kill_it)
 		ro_test_redis_kill(&r);
 	else
@@ -1098,17 +1093,17 @@ Test(agent, control_socket_flood_and_exact_commands, .timeout = 180)
 	ro_test_name("flood", q, sizeof(q));
 	enqueue(q, "u", 40, 4, ro_test_scaled(64), 0, 0);
 	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
-	for (int i = 0; i < 400 && ro_test_json_field(ro_test_agent_status(&a, "status\n"), "in_flight") < 1; i++)
+	for (int i = 0; i < 400 && ro_test_agent_field(&a, "in_flight") < 1; i++)
 		ro_test_msleep(25);
 	for (int i = 0; i < 64; i++) {
 		idle[i] = connect_to(a.sock, true);
 		cr_assert_geq(idle[i], 0, "connection %d taken at once", i);
 	}
-	before = ro_test_json_field(ro_test_agent_status(&a, "status\n"), "published");
+	before = ro_test_agent_field(&a, "published");
 	cr_assert_geq(before, 0, "answers beside 64 idle clients");
-	for (int i = 0; i < 600 && ro_test_json_field(ro_test_agent_status(&a, "status\n"), "published") < before + 10; i++)
+	for (int i = 0; i < 600 && ro_test_agent_field(&a, "published") < before + 10; i++)
 		ro_test_msleep(25);
-	cr_expect_geq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "published"), before + 10,
+	cr_expect_geq(ro_test_agent_field(&a, "published"), before + 10,
 		      "still publishing beside 64 idle clients");
 	for (int i = 0; i < 64; i++) { /* none of them was dropped meanwhile */
 		char x;
@@ -1202,7 +1197,7 @@ Test(agent, bad_checkpoints_restart_their_samples, .timeout = 180)
 	cr_assert_eq(done_count(c, q), 1);
 	cr_expect_eq(same_samples(c, q, ref, 2), 0, "started over, not resumed");
 	cr_expect(ro_test_agent_log_has(&a, "checkpoint discarded"));
-	cr_expect_eq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "claimed"), 1, "claimed once, no loop");
+	cr_expect_eq(ro_test_agent_field(&a, "claimed"), 1, "claimed once, no loop");
 	kill(a.pid, SIGTERM);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
@@ -1241,7 +1236,7 @@ Test(agent, unit_too_big_for_memory_is_dead_lettered, .timeout = 120)
 	why = hget(c, q, "big", "reason");
 	cr_expect(strstr(why, "MiB available") && strstr(why, "attempt 2 of 2"), "%s", why);
 	free(why);
-	cr_expect_eq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "claimed"), 2, "two attempts, no loop");
+	cr_expect_eq(ro_test_agent_field(&a, "claimed"), 2, "two attempts, no loop");
 	kill(a.pid, SIGTERM);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
@@ -1274,7 +1269,7 @@ Test(agent, inconsistent_unit_records_are_dead_lettered, .timeout = 120)
 	cr_expect(strstr(why, "INCOMPLETE") && strstr(why, "attempt 2 of 2"), "%s", why);
 	free(why);
 	cr_expect_eq(done_count(c, q), 0, "nothing taken for a success");
-	cr_expect_eq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "claimed"), 3, "u-0 once, u-1 per attempt");
+	cr_expect_eq(ro_test_agent_field(&a, "claimed"), 3, "u-0 once, u-1 per attempt");
 	kill(a.pid, SIGTERM);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);

@@ -220,10 +220,9 @@ Test(hostile, huge_body_and_checkpoint_never_reach_the_agent)
 	if (!wait_until_done(c, q, warm, 60000))
 		ro_test_agent_dump_log(&a);
 	cr_assert(is_done(c, q, "warm"));
-	for (int i = 0; i < 200 && ro_test_json_field(ro_test_agent_status(&a, "status\n"),
-						      "units") != 0; i++)
+	for (int i = 0; i < 200 && ro_test_agent_field(&a, "units") != 0; i++)
 		ro_test_msleep(50);
-	cr_assert_eq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "units"), 0);
+	cr_assert_eq(ro_test_agent_field(&a, "units"), 0);
 	idle_kb = proc_kb(a.pid, "VmRSS");
 	cr_assert_gt(idle_kb, 0);
 
@@ -309,7 +308,7 @@ Test(hostile, huge_body_and_checkpoint_never_reach_the_agent)
 		ro_test_agent_dump_log(&a);
 	cr_expect(ro_test_agent_log_has(&a, "unit huge: body of .* dead-lettered by the queue"));
 	cr_expect(ro_test_agent_log_has(&a, "unit ckpt: 1 checkpoint discarded"));
-	cr_expect_eq(ro_test_json_field(ro_test_agent_status(&a, "status\n"), "claimed"), 5,
+	cr_expect_eq(ro_test_agent_field(&a, "claimed"), 5,
 		     "warm, ckpt and after-*: the huge unit was never claimed here");
 
 	kill(a.pid, SIGTERM);

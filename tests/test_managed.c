@@ -293,16 +293,11 @@ static void verify_once(struct ro_queue *q, long units, unsigned n)
 }
 
 
-static double agent_field(const struct ro_test_agent *ag, const char *key)
-{
-	return ro_test_json_field(ro_test_agent_status(ag, "status\n"), key);
-}
-
 /* Until the agent's readiness is want (bounded): the probe's answer, as kubelet sees it. */
 static bool wait_ready(const struct ro_test_agent *ag, bool want, long ms)
 {
 	for (int64_t end = ro_test_mono_ms() + ms; ro_test_mono_ms() < end;) {
-		if (agent_field(ag, "ready") == (want ? 1 : 0))
+		if (ro_test_agent_field(ag, "ready") == (want ? 1 : 0))
 			return true;
 		ro_test_msleep(20);
 	}
@@ -457,7 +452,7 @@ Test(managed, acl_users)
 	if (!wait_done(qq, 6, 60000))
 		ro_test_agent_dump_log(&a);
 	cr_expect_eq(done_count(qq), 6);
-	cr_expect_eq(agent_field(&a, "failed"), 0);
+	cr_expect_eq(ro_test_agent_field(&a, "failed"), 0);
 	verify_once(qq, 6, 2);
 	/* and rolloutctl as the worker, with the password from the environment's file */
 	{
@@ -617,9 +612,9 @@ static void failover_run(bool sentinel)
 	enqueue(qq, "f", units, 2, max_new);
 	ro_test_agent_start(&a, dir, model, url, "fo", q, extra, NULL);
 	cr_assert(wait_ready(&a, true, 30000));
-	for (int i = 0; i < 600 && agent_field(&a, "units") < 1; i++)
+	for (int i = 0; i < 600 && ro_test_agent_field(&a, "units") < 1; i++)
 		ro_test_msleep(20);
-	cr_assert_geq(agent_field(&a, "units"), 1, "the agent holds units when its primary dies");
+	cr_assert_geq(ro_test_agent_field(&a, "units"), 1, "the agent holds units when its primary dies");
 
 	/* hung first (it cannot write: not ready), then dead and replaced */
 	cr_assert_eq(kill(old, SIGSTOP), 0);
@@ -639,12 +634,12 @@ static void failover_run(bool sentinel)
 		cr_expect(strstr(ro_test_agent_status(&a, "status\n"), want), "on %s: %s", want,
 			  ro_test_agent_status(&a, "status\n"));
 	}
-	cr_expect_geq(agent_field(&a, "lease_losses"), 1, "the leases it could not renew");
+	cr_expect_geq(ro_test_agent_field(&a, "lease_losses"), 1, "the leases it could not renew");
 	if (!wait_done(qq, units, 120000))
 		ro_test_agent_dump_log(&a);
 	cr_expect_eq(done_count(qq), units);
 	verify_once(qq, units, 2);
-	cr_expect_eq(agent_field(&a, "ready"), 1);
+	cr_expect_eq(ro_test_agent_field(&a, "ready"), 1);
 	stop_agent(&a);
 	(void)ro_queue_free(qq);
 	if (sentinel)
@@ -687,7 +682,7 @@ Test(managed, cluster_slot_migration)
 	ro_test_agent_start(&a, dir, model, c.node[from].url, "mig", q,
 			    (const char *const[]){"--max-inflight", "4", "--claim-batch", "1", NULL},
 			    NULL);
-	for (int i = 0; i < 600 && agent_field(&a, "completed") < 2; i++)
+	for (int i = 0; i < 600 && ro_test_agent_field(&a, "completed") < 2; i++)
 		ro_test_msleep(20);
 	cr_assert_eq(ro_test_cluster_migrate_begin(&c, slot, from, to), 0);
 	for (int r; (r = ro_test_cluster_migrate_some(&c, slot, from, to, 3)) > 0;) {
@@ -700,14 +695,14 @@ Test(managed, cluster_slot_migration)
 		ro_test_agent_dump_log(&a);
 	cr_expect_eq(done_count(qq), units);
 	verify_once(qq, units, 2);
-	cr_expect_eq(agent_field(&a, "failed"), 0, "nothing charged");
-	cr_expect_eq(agent_field(&a, "lease_losses"), 0);
+	cr_expect_eq(ro_test_agent_field(&a, "failed"), 0, "nothing charged");
+	cr_expect_eq(ro_test_agent_field(&a, "lease_losses"), 0);
 	{
 		char want[32];
 
 		(void)snprintf(want, sizeof(want), "127.0.0.1:%d", c.node[to].port);
 		cr_expect(strstr(ro_test_agent_status(&a, "status\n"), want), "follows the slot");
-		cr_expect_geq(agent_field(&a, "redis_redirects"), 1, "by its MOVED");
+		cr_expect_geq(ro_test_agent_field(&a, "redis_redirects"), 1, "by its MOVED");
 	}
 	stop_agent(&a);
 	(void)ro_queue_free(qq);
@@ -958,19 +953,19 @@ Test(managed, cluster_manual_failover)
 	ro_test_agent_start(&a, dir, model, c.node[owner].url, "mfo", q,
 			    (const char *const[]){"--max-inflight", "4", "--claim-batch", "1", NULL},
 			    NULL);
-	for (int i = 0; i < 600 && agent_field(&a, "completed") < 2; i++)
+	for (int i = 0; i < 600 && ro_test_agent_field(&a, "completed") < 2; i++)
 		ro_test_msleep(20);
 	cr_assert_eq(ro_test_cluster_manual_failover(&c, rep), 0);
 	if (!wait_done(qq, units, 120000))
 		ro_test_agent_dump_log(&a);
 	cr_expect_eq(done_count(qq), units);
 	verify_once(qq, units, 2);
-	cr_expect_eq(agent_field(&a, "failed"), 0, "nothing charged");
+	cr_expect_eq(ro_test_agent_field(&a, "failed"), 0, "nothing charged");
 	(void)snprintf(want, sizeof(want), "127.0.0.1:%d", c.node[rep].port);
 	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), want), "on the new primary: %s",
 		  ro_test_agent_status(&a, "status\n"));
-	cr_expect_geq(agent_field(&a, "redis_redirects"), 1, "by its MOVED");
-	cr_expect_eq(agent_field(&a, "ready"), 1);
+	cr_expect_geq(ro_test_agent_field(&a, "redis_redirects"), 1, "by its MOVED");
+	cr_expect_eq(ro_test_agent_field(&a, "ready"), 1);
 	stop_agent(&a);
 	(void)ro_queue_free(qq);
 	ro_test_cluster_stop(&c);

@@ -62,15 +62,10 @@ static void teardown(void)
 TestSuite(policy, .init = setup, .fini = teardown, .timeout = 180);
 
 
-static double field(const struct ro_test_agent *ag, const char *key)
-{
-	return ro_test_json_field(ro_test_agent_status(ag, "status\n"), key);
-}
-
 static bool wait_field(const struct ro_test_agent *ag, const char *key, double at_least, long ms)
 {
 	for (int64_t end = ro_test_mono_ms() + ms; ro_test_mono_ms() < end;) {
-		if (field(ag, key) >= at_least)
+		if (ro_test_agent_field(ag, key) >= at_least)
 			return true;
 		ro_test_msleep(20);
 	}
@@ -294,7 +289,7 @@ Test(policy, a_bad_policy_keeps_the_old_one)
 	cr_assert(wait_field(&a, "completed", 4, 60000));
 	publish(q, model_c, "2", 0); /* other shapes */
 	cr_expect(wait_field(&a, "policy_errors", 1, 30000), "refused, counted");
-	cr_expect_eq(field(&a, "policy_version"), 1, "the old weights serve on");
+	cr_expect_eq(ro_test_agent_field(&a, "policy_version"), 1, "the old weights serve on");
 	cr_expect(ro_test_agent_log_has(&a, "hidden is 128"), "the cause named");
 	/* a file changed after its manifest was made: its hash says so */
 	{
@@ -322,7 +317,7 @@ Test(policy, a_bad_policy_keeps_the_old_one)
 	}
 	cr_expect(wait_field(&a, "policy_errors", 2, 30000));
 	cr_expect(ro_test_agent_log_has(&a, "config.json"), "the file named");
-	cr_expect_eq(field(&a, "policy_version"), 1);
+	cr_expect_eq(ro_test_agent_field(&a, "policy_version"), 1);
 	enqueue(q, 1, 2, 20); /* still working */
 	(void)kill(a.pid, SIGTERM);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
@@ -422,7 +417,7 @@ Test(policy, a_drain_does_not_wait_for_a_download)
 			 "publish", "--version", "2", "--uri", uri, NULL),
 		     0, "%s", out);
 	cr_expect(wait_field(&a, "policy_bytes_done", 1, 30000), "downloading");
-	cr_expect_eq(field(&a, "policy_loading"), 1);
+	cr_expect_eq(ro_test_agent_field(&a, "policy_loading"), 1);
 	/* a spot notice: terminate in 4 s */
 	notice = (ro_test_wall_ms() / 1000 + 4) * 1000;
 	(void)snprintf(fire, sizeof(fire), "spot?in=0&time=%lld", (long long)(notice / 1000));
@@ -523,7 +518,7 @@ Test(policy, max_policy_lag_stops_claims_until_caught_up)
 	cr_assert(wait_field(&a, "ready", 1, 30000));
 	publish(q, model_c, "2", 0); /* other shapes: refused, one behind */
 	cr_assert(wait_field(&a, "policy_errors", 1, 30000));
-	cr_expect_eq(field(&a, "policy_lagging"), 0, "one behind is within the bound");
+	cr_expect_eq(ro_test_agent_field(&a, "policy_lagging"), 0, "one behind is within the bound");
 	publish(q, model_c, "3", 0);
 	cr_assert(wait_field(&a, "policy_lagging", 1, 30000), "two behind");
 	enqueue(q, 2, 2, 30);
