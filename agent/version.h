@@ -4,6 +4,6 @@
 #include <stdio.h>
 
 /* prog's version, the git describe of the tree it was built from (when it was a checkout),
- * whether the CUDA backend is built, libfabric's version and the providers fi_getinfo lists
+ * whether it was configured with CUDA, libfabric's version and the providers fi_getinfo lists
  * on this node (no address is resolved or contacted). */
 void ro_version_print(FILE *out, const char *prog);
