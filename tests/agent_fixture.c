@@ -90,6 +90,40 @@ void ro_test_agent_start(struct ro_test_agent *ag, const char *dir, const char *
 	}
 }
 
+/* SIGTERM once the agent handles it. One sent while the process is still starting, before
+ * main installed its handler (a sanitized start under load takes a while), would kill it
+ * outright: wait, bounded, until /proc says SIGTERM is caught or blocked, or the process is
+ * gone. */
+void ro_test_agent_term(const struct ro_test_agent *ag)
+{
+	char path[64], line[256];
+
+	if (ag->pid <= 0)
+		return;
+	(void)snprintf(path, sizeof(path), "/proc/%d/status", (int)ag->pid);
+	for (int i = 0; i < 3000; i++) {
+		FILE *f = fopen(path, "r");
+		bool handled = false, zombie = !f;
+
+		while (f && fgets(line, sizeof(line), f)) {
+			unsigned long long m;
+
+			if (!strncmp(line, "State:", 6) && strchr(line, 'Z'))
+				zombie = true;
+			if ((sscanf(line, "SigCgt: %llx", &m) == 1 ||
+			     sscanf(line, "SigBlk: %llx", &m) == 1) &&
+			    (m & (1ULL << (SIGTERM - 1))))
+				handled = true;
+		}
+		if (f)
+			fclose(f);
+		if (handled || zombie)
+			break;
+		ro_test_msleep(20);
+	}
+	(void)kill(ag->pid, SIGTERM);
+}
+
 int ro_test_agent_wait_exit(struct ro_test_agent *ag, long ms)
 {
 	int st;

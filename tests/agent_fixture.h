@@ -22,6 +22,8 @@ const char *ro_test_bin(const char *env, const char *name);
 void ro_test_agent_start(struct ro_test_agent *ag, const char *dir, const char *model,
 			 const char *url, const char *name, const char *q,
 			 const char *const *extra, const char *const *env);
+/* SIGTERM, sent once the agent catches it (never into its start-up). */
+void ro_test_agent_term(const struct ro_test_agent *ag);
 /* Exit status (or -1 if still running after ms, then killed). */
 int ro_test_agent_wait_exit(struct ro_test_agent *ag, long ms);
 void ro_test_agent_dump_log(const struct ro_test_agent *ag);

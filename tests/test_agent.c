@@ -190,7 +190,7 @@ static void reference_run(redisContext *c, const char *ref, int units, unsigned 
 	enqueue(ref, "u", units, n, max_new, long_every, long_max);
 	start(&r, "ref", ref, (const char *const[]){"--imds", "false", NULL}, NULL);
 	cr_assert(wait_done(c, ref, units, 60000), "reference run did not finish");
-	kill(r.pid, SIGTERM);
+	ro_test_agent_term(&r);
 	cr_assert_eq(ro_test_agent_wait_exit(&r, 10000), 0);
 }
 
@@ -205,8 +205,8 @@ Test(agent, two_agents_every_sample_once)
 	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
 	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
 	cr_assert(wait_done(c, q, 30, 60000), "not all units completed");
-	kill(a.pid, SIGTERM);
-	kill(b.pid, SIGTERM);
+	ro_test_agent_term(&a);
+	ro_test_agent_term(&b);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
 	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 30, 4);
@@ -214,25 +214,33 @@ Test(agent, two_agents_every_sample_once)
 	redisFree(c);
 }
 
+/* A Spot notice whose drain deadline (notice time minus the margin) has already passed when
+ * it is seen: every unit in flight is checkpointed and requeued at once, the agent exits
+ * before the notice time, and another worker resumes the units from their prefixes,
+ * bitwise what an uninterrupted run gives. The deadline is in the past on purpose: with one
+ * in the future, whether a long unit "can finish" depends on this machine's speed. */
 Test(agent, spot_notice_drains_before_the_deadline)
 {
-	static const char *const on[] = {"--imds-poll-ms", "200", "--drain-margin-ms", "1000",
+	static const char *const on[] = {"--imds-poll-ms", "200", "--drain-margin-ms", "9000",
 					 "--checkpoint-tokens", "16", "--lease-ms", "5000", NULL};
 	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
 	struct ro_test_mock mk = {0};
 	char q[64], ref[64], ep[96], fire[128];
 	const char *av[16];
 	struct ro_test_agent a, b;
+	/* long units: far more tokens than can run between the test's look and the notice */
+	unsigned long_max = ro_test_scaled(1500) < 400 ? 400 : ro_test_scaled(1500);
 	int64_t notice, exited;
 	size_t n = 0;
 	long resumed;
 	struct smp *s;
 	size_t ns;
+	bool seen = false;
 
 	ro_test_name("spot", q, sizeof(q));
 	ro_test_name("spotref", ref, sizeof(ref));
-	/* 8 units of 2 samples: short ones (finish within the deadline), long ones (cannot) */
-	reference_run(c, ref, 8, 2, 60, 2, ro_test_scaled(1500));
+	/* 8 units of 2 samples: short ones (done before the notice), long ones (in flight) */
+	reference_run(c, ref, 8, 2, 60, 2, long_max);
 	cr_assert_eq(ro_test_mock_start(&mk, 0, NULL), 0);
 	(void)snprintf(ep, sizeof(ep), "%s", mk.url);
 	for (size_t i = 0; on[i]; i++)
@@ -240,26 +248,34 @@ Test(agent, spot_notice_drains_before_the_deadline)
 	av[n++] = "--imds-endpoint";
 	av[n++] = ep;
 	av[n] = NULL;
-	enqueue(q, "u", 8, 2, 60, 2, ro_test_scaled(1500));
+	enqueue(q, "u", 8, 2, 60, 2, long_max);
 	start(&a, "a", q, av, NULL);
-	/* wait until it is well into the long units: the short ones published, a long one
-	 * checkpointed (an event, not a time: a busy box may take a while) */
-	for (int i = 0; i < 1200 && (ro_test_int(c, "XLEN ro:{%s}:samples", q) < 8 ||
-				     ro_test_int(c, "HEXISTS ro:{%s}:unit:u-0 p:0", q) < 1);
-	     i++)
-		ro_test_msleep(50);
-	notice = ro_test_wall_ms() + 3000;
-	(void)snprintf(fire, sizeof(fire), "spot?in=0&time=%lld", (long long)(notice / 1000 + 1));
-	notice = (notice / 1000 + 1) * 1000;
+	/* wait until it is into the long units: the short ones published, a long one
+	 * checkpointed and still leased (events, not times: a busy box may take a while) */
+	for (int i = 0; i < 2400 && !seen; i++) {
+		redisReply *r = redisCommand(c, "HGET ro:{%s}:unit:u-0 state", q);
+
+		seen = ro_test_int(c, "XLEN ro:{%s}:samples", q) >= 8 &&
+		       ro_test_int(c, "HEXISTS ro:{%s}:unit:u-0 p:0", q) == 1 && r &&
+		       r->type == REDIS_REPLY_STRING && !strcmp(r->str, "leased");
+		freeReplyObject(r);
+		if (!seen)
+			ro_test_msleep(50);
+	}
+	cr_assert(seen, "the short units published and u-0 checkpointed while leased");
+	/* the notice time (whole seconds in IMDS) 8-9 s ahead; deadline = it - 9 s: passed */
+	notice = (ro_test_wall_ms() / 1000 + 9) * 1000;
+	(void)snprintf(fire, sizeof(fire), "spot?in=0&time=%lld", (long long)(notice / 1000));
 	free(ro_test_mock_ctl(&mk, fire));
-	cr_assert_eq(ro_test_agent_wait_exit(&a, 10000), 0, "the notified agent exits 0");
+	cr_assert_eq(ro_test_agent_wait_exit(&a, 30000), 0, "the notified agent exits 0");
 	exited = ro_test_wall_ms();
 	cr_expect_lt(exited, notice, "exited %lld ms before the notice time", (long long)(notice - exited));
+	cr_expect(ro_test_agent_log_has(&a, "requeued u-0"), "the long unit in flight was requeued");
 	cr_expect_gt(ro_test_int(c, "LLEN ro:{%s}:pending", q), 0, "requeued units wait at the head");
 	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
-	cr_assert(wait_done(c, q, 8, 60000), "the other agent completes the requeued units");
-	kill(b.pid, SIGTERM);
-	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
+	cr_assert(wait_done(c, q, 8, 120000), "the other agent completes the requeued units");
+	ro_test_agent_term(&b);
+	cr_expect_eq(ro_test_agent_wait_exit(&b, 30000), 0);
 	ro_test_verify_exactly_once(c, q, 8, 2);
 	resumed = same_samples(c, q, ref, 16);
 	cr_expect_gt(resumed, 0, "some samples resumed from a checkpointed prefix");
@@ -304,7 +320,7 @@ Test(agent, sigkill_loses_at_most_one_checkpoint_interval)
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 5000), 128 + SIGKILL);
 	start(&b, "b", q, (const char *const[]){"--imds", "false", "--lease-ms", "2000", NULL}, NULL);
 	cr_assert(wait_done(c, q, 4, 60000), "the other agent finishes after lease expiry");
-	kill(b.pid, SIGTERM);
+	ro_test_agent_term(&b);
 	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 4, 2);
 	cr_expect_gt(same_samples(c, q, ref, 8), 0, "resumed from checkpoints, bitwise the same");
@@ -344,7 +360,7 @@ static void drain_by(const char *how)
 	for (int i = 0; i < 100 && ro_test_agent_field(&a, "in_flight") < 1; i++)
 		ro_test_msleep(50);
 	if (!strcmp(how, "sigterm")) {
-		kill(a.pid, SIGTERM);
+		ro_test_agent_term(&a);
 	} else if (!strcmp(how, "ctl")) {
 		char cmd[512];
 
@@ -363,7 +379,7 @@ static void drain_by(const char *how)
 	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
 	/* bounded generously: on a busy 2-core box the other tests share the CPU */
 	cr_assert(wait_done(c, q, 6, 200000), "%s: the requeued units complete elsewhere", how);
-	kill(b.pid, SIGTERM);
+	ro_test_agent_term(&b);
 	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 6, 2);
 	if (mk.pid)
@@ -416,8 +432,8 @@ Test(agent, rebalance_stop_claiming_and_ignore)
 	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), "\"state\":\"running\""));
 	cr_expect(strstr(ro_test_agent_status(&b, "status\n"), "\"stop_claiming\":false"));
 	cr_expect(strstr(ro_test_agent_status(&b, "status\n"), "\"state\":\"running\""));
-	kill(a.pid, SIGTERM);
-	kill(b.pid, SIGTERM);
+	ro_test_agent_term(&a);
+	ro_test_agent_term(&b);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
 	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_mock_stop(&mk);
@@ -492,7 +508,7 @@ Test(agent, backpressure_stops_and_resumes_claims)
 		ro_test_msleep(25);
 	}
 	cr_expect_eq(done_count(c, q), 40, "all units done once the trainer caught up");
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
 	redisFree(c);
 }
@@ -512,7 +528,8 @@ Test(agent, notify_protocol_in_order)
 	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL},
 	      (const char *const[]){"NOTIFY_SOCKET", path, "WATCHDOG_USEC", "200000", NULL});
 	/* read as systemd does, all along: a full datagram queue would block the sender */
-	for (int t = 0, st = 0, exited = 0; t < 500 && !exited; t++) {
+	/* SIGTERM once the watchdog has been fed (an event: a slow start takes what it takes) */
+	for (int t = 0, st = 0, exited = 0, termed = 0; t < 3000 && !exited; t++) {
 		ssize_t n;
 
 		while ((n = recv(fd, buf, sizeof(buf) - 1, MSG_DONTWAIT)) > 0) {
@@ -520,9 +537,11 @@ Test(agent, notify_protocol_in_order)
 			strncat(all, buf, sizeof(all) - strlen(all) - 2);
 			strcat(all, "\n");
 		}
-		if (t == 75)
-			kill(a.pid, SIGTERM);
-		if (t > 75 && waitpid(a.pid, &st, WNOHANG) == a.pid) {
+		if (!termed && strstr(all, "WATCHDOG=1")) {
+			ro_test_agent_term(&a);
+			termed = 1;
+		}
+		if (termed && waitpid(a.pid, &st, WNOHANG) == a.pid) {
 			exited = 1;
 			cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0);
 			a.pid = 0;
@@ -647,12 +666,12 @@ Test(agent, bad_units_dead_lettered_with_reasons_policy_respected)
 	freeReplyObject(r);
 	/* the unit needing a newer policy is released, not run */
 	cr_expect_eq(ro_test_int(c, "LLEN ro:{%s}:pending", q), 1);
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
 	start(&a, "a2", q, (const char *const[]){"--imds", "false", "--policy-version", "5", NULL},
 	      NULL);
 	cr_expect(wait_done(c, q, 2, 20000), "a worker with new enough weights runs it");
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
 	ro_queue_free(qq);
 	redisFree(c);
@@ -702,7 +721,7 @@ Test(agent, unit_past_the_models_context_dead_lettered)
 	cr_expect(r && r->str && strstr(r->str, "max_position_embeddings (64)"), "%s",
 		  r && r->str ? r->str : "(none)");
 	freeReplyObject(r);
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 10000), 0);
 	ro_queue_free(qq);
 	redisFree(c);
@@ -775,7 +794,7 @@ Test(agent, ep_groups_equal_single_rank, .timeout = 240)
 				  "EP=%d: status --local shows the group and its exchanges: %s", w,
 				  st);
 		}
-		kill(g.pid, SIGTERM);
+		ro_test_agent_term(&g);
 		cr_expect_eq(ro_test_agent_wait_exit(&g, 20000), 0, "EP=%d: the group drains and exits 0", w);
 		ro_test_verify_exactly_once(c, q, units, n);
 		(void)same_samples(c, q, ref, (size_t)units * n);
@@ -823,7 +842,7 @@ Test(agent, ep_group_sum_combine_bf16, .timeout = 180)
 			ro_test_msleep(25);
 		cr_expect(seen, "%s", m1);
 	}
-	kill(g.pid, SIGTERM);
+	ro_test_agent_term(&g);
 	cr_expect_eq(ro_test_agent_wait_exit(&g, 20000), 0);
 	ro_test_verify_exactly_once(c, q, 6, 2);
 	redisFree(c);
@@ -855,7 +874,7 @@ Test(agent, ep_group_drains_together, .timeout = 240)
 	cr_expect(ro_test_agent_log_has(&g, "group drain from rank 1"), "ranks 0 and 2 drained with rank 1");
 	start(&b, "b", q, (const char *const[]){"--imds", "false", NULL}, NULL);
 	cr_assert(wait_done(c, q, 9, 120000), "the requeued units complete elsewhere");
-	kill(b.pid, SIGTERM);
+	ro_test_agent_term(&b);
 	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 9, 2);
 	redisFree(c);
@@ -897,7 +916,7 @@ Test(agent, ep_rank_killed_fails_fast, .timeout = 240)
 	start(&b, "b", q, (const char *const[]){"--imds", "false", "--lease-ms", "3000", NULL},
 	      NULL);
 	cr_assert(wait_done(c, q, 9, 120000), "everything completes elsewhere");
-	kill(b.pid, SIGTERM);
+	ro_test_agent_term(&b);
 	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
 	ro_test_verify_exactly_once(c, q, 9, 2);
 	redisFree(c);
@@ -992,7 +1011,7 @@ Test(agent, long_prefills_keep_their_leases, .timeout = 240)
 	cr_expect_eq(dead_count(c, q), 0, "none dead-lettered");
 	cr_expect_eq(ro_test_agent_field(&a, "lease_losses"), 0, "%s", ro_test_agent_status(&a, "status\n"));
 	(void)ro_test_verify_exactly_once(c, q, 4, 2);
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
@@ -1026,7 +1045,7 @@ static void drain_without_redis(bool kill_it)
 	else
 		(void)kill(r.pid, SIGSTOP);
 	t0 = ro_test_mono_ms();
-	(void)kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	took = ro_test_mono_ms() - t0;
 	/* the promise is 6 s; the second more is for the process's own exit on a busy box */
@@ -1047,7 +1066,7 @@ static void drain_without_redis(bool kill_it)
 		ro_test_agent_dump_log(&b);
 	cr_assert_eq(done_count(c, q), 6);
 	(void)ro_test_verify_exactly_once(c, q, 6, 2);
-	kill(b.pid, SIGTERM);
+	ro_test_agent_term(&b);
 	cr_expect_eq(ro_test_agent_wait_exit(&b, 30000), 0);
 	redisFree(c);
 	ro_test_redis_stop(&r);
@@ -1126,7 +1145,7 @@ Test(agent, control_socket_flood_and_exact_commands, .timeout = 180)
 	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), "\"state\":\"running\""), "not draining");
 	for (int i = 0; i < 64; i++)
 		close(idle[i]);
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
@@ -1165,7 +1184,7 @@ Test(agent, restart_with_same_worker_id_resumes_held_units, .timeout = 240)
 		free(att);
 	}
 	(void)ro_test_verify_exactly_once(c, q, 4, 2);
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
@@ -1198,7 +1217,7 @@ Test(agent, bad_checkpoints_restart_their_samples, .timeout = 180)
 	cr_expect_eq(same_samples(c, q, ref, 2), 0, "started over, not resumed");
 	cr_expect(ro_test_agent_log_has(&a, "checkpoint discarded"));
 	cr_expect_eq(ro_test_agent_field(&a, "claimed"), 1, "claimed once, no loop");
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
@@ -1237,7 +1256,7 @@ Test(agent, unit_too_big_for_memory_is_dead_lettered, .timeout = 120)
 	cr_expect(strstr(why, "MiB available") && strstr(why, "attempt 2 of 2"), "%s", why);
 	free(why);
 	cr_expect_eq(ro_test_agent_field(&a, "claimed"), 2, "two attempts, no loop");
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
@@ -1270,7 +1289,7 @@ Test(agent, inconsistent_unit_records_are_dead_lettered, .timeout = 120)
 	free(why);
 	cr_expect_eq(done_count(c, q), 0, "nothing taken for a success");
 	cr_expect_eq(ro_test_agent_field(&a, "claimed"), 3, "u-0 once, u-1 per attempt");
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }

@@ -311,7 +311,7 @@ Test(hostile, huge_body_and_checkpoint_never_reach_the_agent)
 	cr_expect_eq(ro_test_agent_field(&a, "claimed"), 5,
 		     "warm, ckpt and after-*: the huge unit was never claimed here");
 
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	ok(c, redisCommand(c, "UNLINK ro:{%s}:unit:huge ro:{%s}:unit:ckpt ro:{%s}:policy", q, q,
 			   q));
@@ -546,7 +546,7 @@ Test(hostile, agent_runs_with_its_keys_of_another_type)
 	     i++)
 		ro_test_msleep(50);
 	cr_expect(ro_test_agent_log_has(&a, "cannot read the published policy"));
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	redisFree(c);
 }
@@ -619,6 +619,6 @@ Test(hostile, metrics_temp_symlink_is_not_followed)
 		cr_expect(build, "rolloutd_build_info{version=...} 1");
 	}
 	(void)fclose(f);
-	kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 }

@@ -320,7 +320,7 @@ static int log_count(const struct ro_test_agent *ag, const char *what)
 
 static void stop_agent(struct ro_test_agent *ag)
 {
-	(void)kill(ag->pid, SIGTERM);
+	ro_test_agent_term(ag);
 	cr_expect_eq(ro_test_agent_wait_exit(ag, 30000), 0);
 }
 

@@ -238,7 +238,7 @@ static void run(const char *mode)
 	publish(q, model_b, "2", 2); /* not above the current: refused */
 	cr_expect(wait_field(&a, "policy_version", 2, 30000), "swapped to version 2");
 	cr_expect(wait_field(&a, "completed", units, 120000));
-	(void)kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	v = samples(q, &n);
 	cr_expect_eq(n, (size_t)units * 2);
@@ -319,7 +319,7 @@ Test(policy, a_bad_policy_keeps_the_old_one)
 	cr_expect(ro_test_agent_log_has(&a, "config.json"), "the file named");
 	cr_expect_eq(ro_test_agent_field(&a, "policy_version"), 1);
 	enqueue(q, 1, 2, 20); /* still working */
-	(void)kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 }
 
@@ -473,7 +473,7 @@ Test(policy, an_ep_group_swaps_at_the_same_round)
 		}
 		ro_queue_free(qq);
 	}
-	(void)kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 60000), 0);
 	f = fopen(a.log, "r");
 	cr_assert_not_null(f);
@@ -525,7 +525,7 @@ Test(policy, max_policy_lag_stops_claims_until_caught_up)
 	publish(q, model_b, "4", 0);
 	cr_expect(wait_field(&a, "policy_version", 4, 30000), "caught up");
 	cr_expect(wait_field(&a, "completed", 2, 60000));
-	(void)kill(a.pid, SIGTERM);
+	ro_test_agent_term(&a);
 	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
 	v = samples(q, &n);
 	cr_expect_eq(n, 4);
