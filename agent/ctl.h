@@ -2,6 +2,11 @@
  * words after its name and returns the process exit code: 0 ok, 1 failure, 2 usage. */
 #pragma once
 
+#include <signal.h>
+#include <stdbool.h>
+
+struct ro_queue;
+
 enum { EXIT_USAGE = 2 };
 
 /* imds watch|get|mock */
@@ -16,3 +21,7 @@ int ro_ctl_generate(int argc, char **argv);
 int ro_ctl_drain(int argc, char **argv);
 /* status --local [--ready|--live]: the daemon's own view, for probes */
 int ro_ctl_status_local(int argc, char **argv);
+/* top: a live view of the queue q every interval ms; plain lines when asked or when stdout
+ * is not a terminal. Ends on 'q', *stop, or after iterations refreshes (< 0: no limit). */
+int ro_ctl_top(struct ro_queue *q, const char *queue, long interval, long iterations, bool plain,
+	       volatile sig_atomic_t *stop);

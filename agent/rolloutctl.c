@@ -24,8 +24,8 @@ struct ctl {
 	/* policy publish */
 	long long policy_version;
 	const char *uri, *s3_endpoint, *s3_region, *imds_endpoint;
-	bool json, follow;
-	long count;
+	bool json, follow, plain;
+	long count, interval_ms, iterations;
 	const char *from;
 	struct ro_unit_bounds bounds;
 };
@@ -54,6 +54,12 @@ static void usage(FILE *f)
 	    "                          new weights for the queue's workers (file://, s3://,\n"
 	    "                          https://): every file's size and sha256 recorded\n"
 	    "  policy show             the published policy and how many workers run it\n"
+	    "  unit ID                 one unit: state, owner, attempt, lease, history, which\n"
+	    "                          samples are published, their checkpoints\n"
+	    "  queues                  the queues under the prefix (every node of a Cluster)\n"
+	    "  top [--interval MS] [--iterations N] [--plain]\n"
+	    "                          live view of the queue and its workers (q quits); plain\n"
+	    "                          lines when stdout is not a terminal\n"
 	    "  reap                    expired leases back to pending (or dead past the limit)\n"
 	    "  dead list               dead-lettered units with their reason and history\n"
 	    "  dead retry ID           a dead unit back to pending with a fresh attempt count\n"
@@ -115,10 +121,10 @@ static int read_password(const struct ctl *c, char *buf, size_t len)
 	return 0;
 }
 
-static int open_queue(const struct ctl *c, struct ro_queue **ret)
+/* The queue options of the command line; the password (file, env or flag) read into pw. */
+static void ctl_opts(const struct ctl *c, struct ro_queue_opts *o, char *pw, size_t pwlen)
 {
-	char pw[4096];
-	struct ro_queue_opts o = {
+	*o = (struct ro_queue_opts){
 	    .url = c->redis,
 	    .queue = c->queue,
 	    .prefix = c->prefix,
@@ -137,15 +143,22 @@ static int open_queue(const struct ctl *c, struct ro_queue **ret)
 								  : RO_REDIS_CLUSTER_NO,
 	    .wait_replicas = c->wait_replicas,
 	};
-	int r;
-
 	if (c->cluster && strcmp(c->cluster, "auto") && strcmp(c->cluster, "yes") &&
 	    strcmp(c->cluster, "no")) {
 		(void)fprintf(stderr, "rolloutctl: --redis-cluster wants auto, yes or no\n");
 		exit(EXIT_USAGE);
 	}
-	if (read_password(c, pw, sizeof(pw)))
+	if (read_password(c, pw, pwlen))
 		exit(EXIT_USAGE);
+}
+
+static int open_queue(const struct ctl *c, struct ro_queue **ret)
+{
+	char pw[4096];
+	struct ro_queue_opts o;
+	int r;
+
+	ctl_opts(c, &o, pw, sizeof(pw));
 	r = ro_queue_new(&o, ret);
 	explicit_bzero(pw, sizeof(pw));
 	if (r) {
@@ -161,6 +174,134 @@ static int open_queue(const struct ctl *c, struct ro_queue **ret)
 		exit(EXIT_USAGE);
 	}
 	return 0;
+}
+
+static void numbers_as_numbers(struct json_object *o);
+
+/* unit ID: one unit's record (ro_unit_info), its history parsed */
+static int cmd_unit(const struct ctl *c, const char *id)
+{
+	struct ro_queue *q = NULL;
+	struct json_object *o, *v, *h = NULL;
+	char *js = NULL;
+	int r;
+
+	if (!ro_unit_id_valid(id)) {
+		(void)fprintf(stderr, "rolloutctl: unit: \"%.64s\" is not a unit id\n", id);
+		return EXIT_USAGE;
+	}
+	if (open_queue(c, &q))
+		return EXIT_FAILURE;
+	r = ro_queue_unit_info(q, id, &js);
+	if (r) {
+		r = failed(q, r, "unit");
+		(void)ro_queue_free(q);
+		return r;
+	}
+	(void)ro_queue_free(q);
+	o = json_tokener_parse(js);
+	free(js);
+	if (!o || !json_object_is_type(o, json_type_object)) {
+		json_object_put(o);
+		(void)fprintf(stderr, "rolloutctl: unit: the server's answer is not JSON\n");
+		return EXIT_FAILURE;
+	}
+	/* the history as stored is its entries without brackets */
+	if (json_object_object_get_ex(o, "hist", &v)) {
+		char *t = NULL;
+
+		if (asprintf(&t, "[%s]", json_object_get_string(v)) >= 0)
+			h = json_tokener_parse(t);
+		free(t);
+		json_object_object_del(o, "hist");
+	}
+	json_object_object_add(o, "history", h && json_object_is_type(h, json_type_array)
+						 ? h
+						 : (json_object_put(h), json_object_new_array()));
+	if (!json_object_object_get_ex(o, "samples", &v) || !json_object_is_type(v, json_type_array))
+		json_object_object_add(o, "samples", json_object_new_array());
+	numbers_as_numbers(o);
+	if (c->json) {
+		(void)printf("%s\n", json_object_to_json_string_ext(o, JSON_C_TO_STRING_PLAIN));
+	} else {
+		static const char *const keys[] = {"state", "owner", "attempt", "n", "npub",
+						   "reason", "lease_until_ms", "claimed_ms",
+						   "done_ms", "dead_ms", "group", "body_bytes"};
+		struct json_object *smp, *hist;
+
+		(void)printf("unit     %s\n", id);
+		for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+			if (json_object_object_get_ex(o, keys[i], &v))
+				(void)printf("%-8s %s\n", !strcmp(keys[i], "npub") ? "published" : keys[i],
+					     json_object_get_string(v));
+		(void)json_object_object_get_ex(o, "samples", &smp);
+		for (size_t i = 0; i < json_object_array_length(smp); i++) {
+			struct json_object *e = json_object_array_get_idx(smp, i), *x;
+
+			(void)printf("sample %-3zu", i);
+			if (json_object_object_get_ex(e, "published", &x))
+				(void)printf(" published %s", json_object_get_string(x));
+			else
+				(void)printf(" not published");
+			if (json_object_object_get_ex(e, "checkpoint_tokens", &x))
+				(void)printf(", checkpoint at %s tokens", json_object_get_string(x));
+			else if (json_object_object_get_ex(e, "checkpoint_bytes", &x))
+				(void)printf(", checkpoint of %s bytes", json_object_get_string(x));
+			(void)printf("\n");
+		}
+		(void)json_object_object_get_ex(o, "history", &hist);
+		for (size_t i = 0; i < json_object_array_length(hist); i++)
+			(void)printf("history  %s\n",
+				     json_object_to_json_string_ext(json_object_array_get_idx(hist, i),
+								    JSON_C_TO_STRING_PLAIN));
+	}
+	json_object_put(o);
+	return EXIT_SUCCESS;
+}
+
+/* queues: the queue names under the prefix */
+static int cmd_queues(const struct ctl *c)
+{
+	char pw[4096], err[256] = "", **v = NULL;
+	struct ro_queue_opts o;
+	size_t n = 0;
+	int r;
+
+	ctl_opts(c, &o, pw, sizeof(pw));
+	r = ro_queue_list_queues(&o, &v, &n, err, sizeof(err));
+	explicit_bzero(pw, sizeof(pw));
+	if (r) {
+		(void)fprintf(stderr, "rolloutctl: queues: %s\n", err);
+		return EXIT_FAILURE;
+	}
+	if (c->json) {
+		struct json_object *a = json_object_new_array();
+
+		for (size_t i = 0; i < n; i++)
+			json_object_array_add(a, json_object_new_string(v[i]));
+		(void)printf("%s\n", json_object_to_json_string_ext(a, JSON_C_TO_STRING_PLAIN));
+		json_object_put(a);
+	} else {
+		for (size_t i = 0; i < n; i++)
+			(void)printf("%s\n", v[i]);
+	}
+	for (size_t i = 0; i < n; i++)
+		free(v[i]);
+	free(v);
+	return EXIT_SUCCESS;
+}
+
+static int cmd_top(const struct ctl *c)
+{
+	struct ro_queue *q = NULL;
+	int rc;
+
+	if (open_queue(c, &q))
+		return EXIT_FAILURE;
+	rc = ro_ctl_top(q, c->queue ? c->queue : "default", c->interval_ms ? c->interval_ms : 1000,
+			c->iterations ? c->iterations : -1, c->plain, &stop_requested);
+	(void)ro_queue_free(q);
+	return rc;
 }
 
 /* policy publish --version N --uri URI [--s3-endpoint URL] [--s3-region R]
@@ -744,7 +885,10 @@ static int ctl_main(int argc, char **argv)
 		O_URI,
 		O_S3EP,
 		O_S3REG,
-		O_IMDSEP
+		O_IMDSEP,
+		O_INTERVAL,
+		O_ITERATIONS,
+		O_PLAIN
 	};
 	static const struct option opts[] = {
 	    {"redis", required_argument, NULL, O_REDIS},
@@ -773,6 +917,9 @@ static int ctl_main(int argc, char **argv)
 	    {"s3-endpoint", required_argument, NULL, O_S3EP},
 	    {"s3-region", required_argument, NULL, O_S3REG},
 	    {"imds-endpoint", required_argument, NULL, O_IMDSEP},
+	    {"interval", required_argument, NULL, O_INTERVAL},
+	    {"iterations", required_argument, NULL, O_ITERATIONS},
+	    {"plain", no_argument, NULL, O_PLAIN},
 	    {"help", no_argument, NULL, 'h'},
 	    {0},
 	};
@@ -855,6 +1002,9 @@ static int ctl_main(int argc, char **argv)
 		}
 		case O_TIMEOUT:
 		case O_WAIT:
+		case O_PLAIN: c.plain = true; break;
+		case O_INTERVAL:
+		case O_ITERATIONS:
 		case O_COUNT:
 		case O_MAXP:
 		case O_MAXN:
@@ -873,6 +1023,10 @@ static int ctl_main(int argc, char **argv)
 				c.wait_replicas = v;
 			else if (ch == O_COUNT)
 				c.count = v;
+			else if (ch == O_INTERVAL)
+				c.interval_ms = v;
+			else if (ch == O_ITERATIONS)
+				c.iterations = v;
 			else if (ch == O_MAXP)
 				c.bounds.max_prompt = v;
 			else if (ch == O_MAXN)
@@ -913,6 +1067,12 @@ static int ctl_main(int argc, char **argv)
 		return cmd_dead(&c, argc - 1, argv + 1);
 	if (!strcmp(argv[0], "samples") && argc == 1)
 		return cmd_samples(&c);
+	if (!strcmp(argv[0], "unit") && argc == 2)
+		return cmd_unit(&c, argv[1]);
+	if (!strcmp(argv[0], "queues") && argc == 1)
+		return cmd_queues(&c);
+	if (!strcmp(argv[0], "top") && argc == 1)
+		return cmd_top(&c);
 	(void)fprintf(stderr, "rolloutctl: unknown command \"%s\"\n", argv[0]);
 	usage(stderr);
 	return EXIT_USAGE;

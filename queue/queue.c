@@ -1367,6 +1367,217 @@ int ro_queue_dead_retry(struct ro_queue *q, const char *id)
 	return r;
 }
 
+int ro_queue_unit_info(struct ro_queue *q, const char *id, char **ret_json)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	int r;
+
+	*ret_json = NULL;
+	if (!ro_unit_id_valid(id))
+		return fail(q, -EINVAL, "\"%.64s\" is not a unit id ([A-Za-z0-9._:-]{1,128})", id);
+	fcall_start(q, &a, "ro_unit_info");
+	args_str(&a, id);
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	if (rep->type != REDIS_REPLY_STRING)
+		return bad_reply(q, rep, "unit info");
+	*ret_json = strdup(rep->str);
+	freeReplyObject(rep);
+	return *ret_json ? 0 : -ENOMEM;
+}
+
+/* ---- the queues under a prefix ---------------------------------------------------- */
+
+#define LIST_MAX_QUEUES 100000
+#define LIST_MAX_ROUNDS 100000
+
+static bool queue_name_char(char ch)
+{
+	return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+	       ch == '.' || ch == '_' || ch == '-' || ch == ':';
+}
+
+/* a sorted set of names, bounded */
+static int names_add(char ***v, size_t *n, const char *s, size_t len)
+{
+	size_t lo = 0, hi = *n;
+	char **nv, *d;
+
+	while (lo < hi) {
+		size_t mid = (lo + hi) / 2;
+		int c = strncmp((*v)[mid], s, len);
+
+		if (c == 0 && (*v)[mid][len] == '\0')
+			return 0;
+		if (c < 0)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (*n >= LIST_MAX_QUEUES)
+		return -E2BIG;
+	nv = realloc(*v, (*n + 1) * sizeof(*nv));
+	if (!nv)
+		return -ENOMEM;
+	*v = nv;
+	d = strndup(s, len);
+	if (!d)
+		return -ENOMEM;
+	memmove(nv + lo + 1, nv + lo, (*n - lo) * sizeof(*nv));
+	nv[lo] = d;
+	(*n)++;
+	return 0;
+}
+
+/* SCAN the node q's commands go to for "<prefix>:{NAME}:*" keys. */
+static int scan_node(struct ro_queue *q, const char *prefix, char ***v, size_t *n)
+{
+	char pat[160], cursor[32] = "0";
+	size_t pl = strlen(prefix);
+	int r = 0;
+
+	(void)snprintf(pat, sizeof(pat), "%s:{*}:*", prefix);
+	for (int round = 0; round < LIST_MAX_ROUNDS; round++) {
+		struct args a = {0};
+		redisReply *rep = NULL, *keys;
+
+		args_str(&a, "SCAN");
+		args_str(&a, cursor);
+		args_str(&a, "MATCH");
+		args_str(&a, pat);
+		args_str(&a, "COUNT");
+		args_str(&a, "1000");
+		r = call(q, &a, &rep);
+		args_clear(&a);
+		if (r)
+			return r;
+		if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||
+		    rep->element[0]->type != REDIS_REPLY_STRING ||
+		    rep->element[0]->len >= sizeof(cursor) ||
+		    rep->element[1]->type != REDIS_REPLY_ARRAY)
+			return bad_reply(q, rep, "SCAN");
+		keys = rep->element[1];
+		for (size_t i = 0; i < keys->elements && !r; i++) {
+			const char *k = keys->element[i]->str, *name, *end;
+
+			if (keys->element[i]->type != REDIS_REPLY_STRING || !k ||
+			    strncmp(k, prefix, pl) || strncmp(k + pl, ":{", 2))
+				continue;
+			name = k + pl + 2;
+			for (end = name; *end && *end != '}' && queue_name_char(*end); end++)
+				;
+			if (end > name && end - name <= 128 && end[0] == '}' && end[1] == ':')
+				r = names_add(v, n, name, (size_t)(end - name));
+		}
+		memcpy(cursor, rep->element[0]->str, rep->element[0]->len + 1);
+		freeReplyObject(rep);
+		if (r || !strcmp(cursor, "0"))
+			return r;
+	}
+	return fail(q, -ETIMEDOUT, "SCAN did not end within %d rounds", LIST_MAX_ROUNDS);
+}
+
+/* A Cluster keeps each queue on its slot's node: scan every primary. The queue's own
+ * connection (same URL, credentials, TLS) reaches a node through the slot of the queue
+ * name it is opened for, so each node is reached as a queue name that hashes into one of
+ * its slots (a name, not a key: nothing is written). */
+static int scan_cluster(struct ro_queue *q, const struct ro_queue_opts *qo, const char *prefix,
+			char ***v, size_t *n)
+{
+	struct args a = {0};
+	redisReply *rep = NULL;
+	char seen[64][160];
+	size_t nseen = 0;
+	int r;
+
+	args_str(&a, "CLUSTER");
+	args_str(&a, "SLOTS");
+	r = call(q, &a, &rep);
+	args_clear(&a);
+	if (r)
+		return r;
+	if (rep->type != REDIS_REPLY_ARRAY)
+		return bad_reply(q, rep, "CLUSTER SLOTS");
+	for (size_t i = 0; i < rep->elements && !r; i++) {
+		redisReply *e = rep->element[i], *m;
+		struct ro_queue_opts o = *qo;
+		struct ro_queue *nq = NULL;
+		char node[160], probe[32];
+		bool dup = false;
+		long long lo, hi;
+
+		if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
+		    e->element[0]->type != REDIS_REPLY_INTEGER ||
+		    e->element[1]->type != REDIS_REPLY_INTEGER ||
+		    e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2 ||
+		    e->element[2]->element[0]->type != REDIS_REPLY_STRING)
+			continue;
+		lo = e->element[0]->integer;
+		hi = e->element[1]->integer;
+		m = e->element[2];
+		(void)snprintf(node, sizeof(node), "%s:%lld", m->element[0]->str,
+			       m->element[1]->integer);
+		for (size_t j = 0; j < nseen; j++)
+			dup = dup || !strcmp(seen[j], node);
+		if (dup || nseen == 64)
+			continue;
+		(void)snprintf(seen[nseen++], sizeof(seen[0]), "%s", node);
+		probe[0] = '\0';
+		for (unsigned k = 0; k < 1000000 && !probe[0]; k++) {
+			char t[32];
+			unsigned sl;
+
+			(void)snprintf(t, sizeof(t), "list-%u", k);
+			sl = ro_key_slot(t, strlen(t));
+			if ((long long)sl >= lo && (long long)sl <= hi)
+				memcpy(probe, t, sizeof(t));
+		}
+		if (!probe[0])
+			continue;
+		o.queue = probe;
+		r = ro_queue_new(&o, &nq);
+		if (!r)
+			r = scan_node(nq, prefix, v, n);
+		if (r && nq)
+			(void)snprintf(q->err, sizeof(q->err), "node %.80s: %.160s", node, nq->err);
+		(void)ro_queue_free(nq);
+	}
+	freeReplyObject(rep);
+	return r;
+}
+
+int ro_queue_list_queues(const struct ro_queue_opts *o, char ***ret, size_t *ret_count,
+			 char *err, size_t errlen)
+{
+	const char *prefix = o->prefix && *o->prefix ? o->prefix : "ro";
+	struct ro_queue *q = NULL;
+	char **v = NULL;
+	size_t n = 0;
+	int r = ro_queue_new(o, &q);
+
+	if (r) {
+		(void)snprintf(err, errlen, "%s", ro_queue_errmsg(NULL));
+		return r;
+	}
+	r = scan_node(q, prefix, &v, &n);
+	if (!r && !strcmp(ro_queue_mode(q), "cluster"))
+		r = scan_cluster(q, o, prefix, &v, &n);
+	if (r) {
+		(void)snprintf(err, errlen, "%s", q->err[0] ? q->err : strerror(-r));
+		for (size_t i = 0; i < n; i++)
+			free(v[i]);
+		free(v);
+	} else {
+		*ret = v;
+		*ret_count = n;
+	}
+	(void)ro_queue_free(q);
+	return r;
+}
+
 int ro_queue_dead_purge(struct ro_queue *q)
 {
 	int total = 0;

@@ -236,6 +236,15 @@ int ro_queue_dead_list(struct ro_queue *q, uint32_t start, uint32_t count, struc
 		       size_t *ret_count);
 void ro_dead_free(struct ro_dead *d, size_t count);
 int ro_queue_dead_retry(struct ro_queue *q, const char *id);
+/* One unit for operators, as a JSON object (ro_unit_info in scripts.lua): state, owner,
+ * attempt, lease, history, each sample's stream entry and checkpoint. -ENOENT: no such
+ * unit. *ret_json is malloc'd. */
+int ro_queue_unit_info(struct ro_queue *q, const char *id, char **ret_json);
+/* The queue names that have keys under o->prefix ("<prefix>:{NAME}:..."), sorted, from
+ * every primary of a Cluster (o->queue only routes the first connection). *ret is an array
+ * of *ret_count malloc'd strings; on failure err says why. */
+int ro_queue_list_queues(const struct ro_queue_opts *o, char ***ret, size_t *ret_count,
+			 char *err, size_t errlen);
 /* Deletes every dead unit; returns how many. */
 int ro_queue_dead_purge(struct ro_queue *q);
 

@@ -640,6 +640,62 @@ local function dead_list(keys, args)
 	return out
 end
 
+-- ARGV: id. Reply: one unit as a JSON object for operators (rolloutctl unit): state, owner,
+-- attempt, lease expiry, history (as stored: the entries without their brackets), and per
+-- sample its stream entry id once published and its checkpoint's size and prefix. Read
+-- only, and bounded whatever is stored: the body and meta are measured, never sent; a
+-- checkpoint is decoded only when small, a field longer than its bound is cut.
+local UNIT_INFO_SAMPLES = 1024
+local UNIT_INFO_CKPT = 1048576
+local function unit_info(keys, args)
+	local P = keys[1]
+	local id = args[1]
+	local ukey = P .. 'unit:' .. id
+	local t = type_of(ukey)
+	if t == 'none' then return err('NOTFOUND', 'no unit ' .. id) end
+	if t ~= 'hash' then return err('WRONGTYPE', ukey .. ' is a ' .. t .. ', not a hash') end
+	local names = {'state', 'owner', 'attempt', 'n', 'npub', 'reason', 'claimed_ms',
+		'done_ms', 'dead_ms', 'exp', 'group', 'hist'}
+	local o = {id = id}
+	for i, k in ipairs(names) do
+		local len = redis.call('HSTRLEN', ukey, k)
+		local cap = k == 'hist' and HIST_BYTES * 2 or (k == 'reason' and 4096 or 64)
+		if len > cap then
+			o[k] = '(' .. len .. ' bytes, not shown)'
+		elseif len > 0 then
+			o[k] = redis.call('HGET', ukey, k)
+		end
+	end
+	o.body_bytes = redis.call('HSTRLEN', ukey, 'body')
+	o.meta_bytes = redis.call('HSTRLEN', ukey, 'meta')
+	if type_of(P .. 'leases') == 'zset' then
+		o.lease_until_ms = tonumber(redis.call('ZSCORE', P .. 'leases', id))
+	end
+	local n = math.min(tonumber(o.n) or 0, UNIT_INFO_SAMPLES)
+	local samples = {}
+	for i = 0, n - 1 do
+		local e = {idx = i}
+		if redis.call('HSTRLEN', ukey, 's:' .. i) <= SID_MAX then
+			local sid = redis.call('HGET', ukey, 's:' .. i)
+			if sid then e.published = sid end
+		end
+		local plen = redis.call('HSTRLEN', ukey, 'p:' .. i)
+		if plen > 0 then
+			e.checkpoint_bytes = plen
+			if plen <= UNIT_INFO_CKPT then
+				local ok, c = pcall(cjson.decode, redis.call('HGET', ukey, 'p:' .. i))
+				if ok and type(c) == 'table' and type(c.tokens) == 'table' then
+					e.checkpoint_tokens = #c.tokens
+					e.checkpoint_pos = tonumber(c.pos)
+				end
+			end
+		end
+		samples[#samples + 1] = e
+	end
+	o.samples = samples
+	return cjson.encode(o)
+end
+
 -- ARGV: id. Back to the tail of pending with a fresh attempt count; history kept.
 local function dead_retry(keys, args)
 	local P = keys[1]
@@ -742,6 +798,8 @@ redis.register_function('ro_reap', reap_fn)
 redis.register_function('ro_dead_letter', dead_letter)
 redis.register_function('ro_fail', fail_fn)
 redis.register_function('ro_dead_list', dead_list)
+redis.register_function{function_name = 'ro_unit_info', callback = unit_info,
+	flags = {'no-writes'}}
 redis.register_function('ro_dead_retry', dead_retry)
 redis.register_function('ro_dead_purge', dead_purge)
 redis.register_function('ro_held', held)

@@ -6,6 +6,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -409,4 +410,207 @@ Test(ctl, json_errors_carry_their_code)
 	r = ctl(NULL, "dead", "retry", "no-such-unit", NULL);
 	cr_assert_eq(r->status, 1, "%s", r->err);
 	cr_expect(!strncmp(r->err, "rolloutctl: ", 12), "text without --json: %s", r->err);
+}
+
+/* unit ID: a done unit's published samples, a leased unit's owner, lease and checkpoint,
+ * a missing one named (exit 1), and a record bloated by someone with write access still
+ * answered in bounds */
+Test(ctl, unit_shows_owner_lease_samples_and_checkpoints)
+{
+	struct ro_queue *q = ro_test_queue(ro_test_redis_url(), Q, "w1", 3);
+	struct ro_claim *c;
+	int32_t toks[5] = {7, 8, 9, 10, 11};
+	float lps[5] = {-1, -1, -1, -1, -1};
+	struct ro_progress p = {.idx = 1, .len = 5, .tokens = toks, .logprobs = lps,
+				.sampler_pos = 5};
+	struct run *r;
+	size_t n;
+	char id[32];
+
+	ro_test_enqueue(q, "k", 0, 1, 2, false);
+	cr_assert_eq(ro_test_worker_run(ro_test_redis_url(), Q, "w2", 1, 20, 10000, false), 1);
+	r = ctl(NULL, "--json", "unit", "k-0", NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_expect(strstr(r->out, "\"state\":\"done\""), "%s", r->out);
+	cr_expect(strstr(r->out, "\"idx\":0,\"published\":\"") ||
+		      strstr(r->out, "\"published\":\""), "%s", r->out);
+	cr_expect(strstr(r->out, "\"history\":[{\"t\":"), "%s", r->out);
+	cr_expect(strstr(r->out, "\"attempt\":1"), "numbers are numbers: %s", r->out);
+
+	ro_test_enqueue(q, "k", 1, 1, 2, false);
+	cr_assert_eq(ro_queue_claim(q, 1, 60000, &c, &n), 1);
+	(void)snprintf(id, sizeof(id), "%s", c[0].id);
+	cr_assert_eq(ro_queue_checkpoint(q, c, &p, 1), 1);
+	r = ctl(NULL, "unit", id, NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_expect(strstr(r->out, "state    leased"), "%s", r->out);
+	cr_expect(strstr(r->out, "owner    w1"), "%s", r->out);
+	cr_expect(strstr(r->out, "lease_until_ms "), "%s", r->out);
+	cr_expect(strstr(r->out, "sample 0   not published"), "%s", r->out);
+	cr_expect(strstr(r->out, "sample 1   not published, checkpoint at 5 tokens"), "%s", r->out);
+
+	/* 2 MB of checkpoint and a history that is not JSON: measured, never sent whole */
+	{
+		char *big = malloc(2 << 20);
+
+		memset(big, 'x', 2 << 20);
+		freeReplyObject(redisCommand(R, "HSET ro:{%s}:unit:%s p:0 %b hist {oops", Q, id,
+					     big, (size_t)(2 << 20)));
+		free(big);
+	}
+	r = ctl(NULL, "--json", "unit", id, NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_expect(strstr(r->out, "\"checkpoint_bytes\":2097152"), "%.300s", r->out);
+	cr_expect(strstr(r->out, "\"history\":[]"), "%.300s", r->out);
+	cr_expect_lt(strlen(r->out), 4096);
+	ro_claims_free(c, n);
+
+	r = ctl(NULL, "unit", "nope", NULL);
+	cr_expect_eq(r->status, 1);
+	cr_expect(strstr(r->err, "no unit nope"), "%s", r->err);
+	r = ctl(NULL, "unit", "bad id!", NULL);
+	cr_expect_eq(r->status, 2, "%s", r->err);
+	freeReplyObject(redisCommand(R, "SET ro:{%s}:unit:str x", Q));
+	r = ctl(NULL, "unit", "str", NULL);
+	cr_expect_eq(r->status, 1);
+	cr_expect(strstr(r->err, "not a hash"), "%s", r->err);
+	ro_queue_free(q);
+}
+
+/* queues: every queue with keys under the prefix, sorted; other prefixes' are not listed */
+Test(ctl, queues_lists_the_queues_under_the_prefix)
+{
+	char q2[96], line[200];
+	struct run *r;
+
+	(void)snprintf(q2, sizeof(q2), "%s-b", Q);
+	cr_assert_eq(ctl(write_file("u.jsonl", UNIT("x-1")), "enqueue", "-", NULL)->status, 0);
+	{
+		struct ro_queue *q = ro_test_queue(ro_test_redis_url(), q2, "w", 3);
+
+		ro_test_enqueue(q, "y", 0, 1, 1, false);
+		ro_queue_free(q);
+	}
+	freeReplyObject(redisCommand(R, "SET other:{%s-c}:pending x", Q));
+	r = ctl(NULL, "queues", NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	(void)snprintf(line, sizeof(line), "\n%s\n%s\n", Q, q2);
+	{
+		char all[65600];
+
+		(void)snprintf(all, sizeof(all), "\n%s", r->out);
+		cr_expect(strstr(all, line), "both, sorted: %s", r->out);
+	}
+	(void)snprintf(line, sizeof(line), "%s-c", Q);
+	cr_expect(!strstr(r->out, line), "another prefix's queue: %s", r->out);
+	r = ctl(NULL, "--json", "queues", NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	cr_expect(r->out[0] == '[' && strstr(r->out, q2), "%s", r->out);
+	r = ctl(NULL, "--prefix", "other", "--json", "queues", NULL);
+	cr_assert_eq(r->status, 0, "%s", r->err);
+	(void)snprintf(line, sizeof(line), "[\"%s-c\"]\n", Q);
+	cr_expect_str_eq(r->out, line);
+}
+
+/* top, when stdout is not a terminal: a plain line a refresh, and a worker's state change
+ * (a drain) as a line of its own once it happens. The test changes the heartbeat after the
+ * first line came (events, not times). */
+Test(ctl, top_plain_lines_and_drain_events)
+{
+	struct ro_queue *w = ro_test_queue(ro_test_redis_url(), Q, "wtop", 3);
+	const char *running[] = {"state", "running", "units", "2", "in_flight", "4"};
+	const char *draining[] = {"state", "draining", "units", "2", "in_flight", "4"};
+	const char *argv[] = {getenv("RO_ROLLOUTCTL"), "--redis", ro_test_redis_url(), "--queue",
+			      Q, "top", "--interval", "100", "--iterations", "600", NULL};
+	char buf[65536] = "";
+	size_t off = 0;
+	int pfd[2], st;
+	bool changed = false;
+	pid_t pid;
+
+	cr_assert_eq(ro_queue_heartbeat(w, running, 6), 0);
+	cr_assert_eq(pipe(pfd), 0);
+	pid = fork();
+	if (pid == 0) {
+		(void)dup2(pfd[1], 1);
+		(void)close(pfd[0]);
+		execv(argv[0], (char *const *)argv);
+		_exit(127);
+	}
+	(void)close(pfd[1]);
+	for (ssize_t n; off + 1 < sizeof(buf) &&
+			(n = read(pfd[0], buf + off, sizeof(buf) - 1 - off)) > 0;) {
+		off += (size_t)n;
+		buf[off] = '\0';
+		if (!changed && strstr(buf, "workers 1\n")) {
+			cr_assert_eq(ro_queue_heartbeat(w, draining, 6), 0);
+			changed = true;
+		}
+		if (strstr(buf, "worker wtop: running -> draining"))
+			break;
+	}
+	(void)kill(pid, SIGTERM);
+	(void)waitpid(pid, &st, 0);
+	(void)close(pfd[0]);
+	cr_expect(strstr(buf, " pending 0 leased 0 done 0 dead 0 samples 0"), "%s", buf);
+	cr_expect(strstr(buf, "worker wtop: running -> draining"), "%s", buf);
+	cr_expect(!strchr(buf, '\033'), "no escape sequences when not a terminal");
+	ro_queue_free(w);
+}
+
+/* top in a terminal (tmux): the screen shows the counts, the worker's line and its drain;
+ * 'q' ends it. */
+Test(ctl, top_in_tmux)
+{
+	struct ro_queue *w = ro_test_queue(ro_test_redis_url(), Q, "wtty", 3);
+	const char *running[] = {"state", "running", "units", "3", "tokens_per_s", "41.5"};
+	const char *draining[] = {"state", "draining", "units", "3", "tokens_per_s", "41.5"};
+	char cmd[1024], sock[128], screen[16384] = "";
+	bool shown = false, drained = false, gone = false;
+
+	cr_assert_eq(system("command -v tmux >/dev/null"), 0,
+		     "tmux is not installed (scripts/deps installs it)");
+	(void)snprintf(sock, sizeof(sock), "%s/tmux.sock", dir);
+	cr_assert_eq(ro_queue_heartbeat(w, running, 6), 0);
+	cr_assert_eq(ctl(write_file("t.jsonl", UNIT("t-1") UNIT("t-2")), "enqueue", "-", NULL)->status,
+		     0);
+	(void)snprintf(cmd, sizeof(cmd),
+		       "tmux -S %s -f /dev/null new-session -d -x 110 -y 30 "
+		       "'LANG=C.UTF-8 %s --redis %s --queue %s top --interval 100; sleep 0.2'",
+		       sock, getenv("RO_ROLLOUTCTL"), ro_test_redis_url(), Q);
+	cr_assert_eq(system(cmd), 0, "%s", cmd);
+	for (int i = 0; i < 600 && !drained; i++) {
+		FILE *f;
+		size_t n;
+
+		(void)snprintf(cmd, sizeof(cmd), "tmux -S %s capture-pane -p 2>/dev/null", sock);
+		f = popen(cmd, "r");
+		n = f ? fread(screen, 1, sizeof(screen) - 1, f) : 0;
+		screen[n] = '\0';
+		if (f)
+			(void)pclose(f);
+		if (!shown && strstr(screen, "pending 2") && strstr(screen, "wtty") &&
+		    strstr(screen, "41.5")) {
+			shown = true;
+			cr_assert_eq(ro_queue_heartbeat(w, draining, 6), 0);
+		}
+		drained = shown && strstr(screen, "worker wtty: running -> draining");
+		if (!drained)
+			usleep(50000);
+	}
+	cr_expect(shown, "the screen shows the queue and the worker: %s", screen);
+	cr_expect(drained, "the drain appears as it happens: %s", screen);
+	cr_expect(strstr(screen, "WORKER") && strstr(screen, "TOKENS/S"), "%s", screen);
+	(void)snprintf(cmd, sizeof(cmd), "tmux -S %s send-keys q", sock);
+	(void)system(cmd);
+	for (int i = 0; i < 600 && !gone; i++) {
+		(void)snprintf(cmd, sizeof(cmd), "tmux -S %s has-session 2>/dev/null", sock);
+		gone = system(cmd) != 0;
+		if (!gone)
+			usleep(50000);
+	}
+	cr_expect(gone, "q quits");
+	(void)snprintf(cmd, sizeof(cmd), "tmux -S %s kill-server 2>/dev/null", sock);
+	(void)system(cmd);
+	ro_queue_free(w);
 }
