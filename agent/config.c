@@ -380,6 +380,52 @@ void ro_config_print(const struct ro_config *c, FILE *f)
 	}
 }
 
+/* roff text with its special characters escaped: backslash, a leading dot or quote, '-' */
+static void roff(FILE *f, const char *s)
+{
+	for (const char *p = s; *p; p++) {
+		if (*p == '\\')
+			(void)fputs("\\e", f);
+		else if (*p == '-')
+			(void)fputs("\\-", f);
+		else if ((*p == '.' || *p == '\'') && (p == s || p[-1] == '\n'))
+			(void)fprintf(f, "\\&%c", *p);
+		else
+			(void)fputc(*p, f);
+	}
+}
+
+void ro_config_man(FILE *f, bool conf)
+{
+	for (size_t i = 0; i < N_SETTINGS; i++) {
+		char env[64];
+		size_t k = 0;
+
+		for (const char *p = table[i].name; *p && k + 1 < sizeof(env); p++)
+			env[k++] = *p == '-' ? '_' : (char)(*p >= 'a' && *p <= 'z' ? *p - 32 : *p);
+		env[k] = '\0';
+		(void)fputs(".TP\n.B ", f);
+		if (!conf)
+			(void)fputs("\\-\\-", f);
+		roff(f, table[i].name);
+		(void)fputs(conf ? " = \\fIvalue\\fR\n" : " \\fIvalue\\fR\n", f);
+		roff(f, table[i].help);
+		(void)fputs(".\n.br\n", f);
+		if (table[i].choices) {
+			(void)fputs("One of: ", f);
+			for (size_t j = 0; table[i].choices[j]; j++) {
+				(void)fputs(j ? ", " : "", f);
+				roff(f, table[i].choices[j]);
+			}
+			(void)fputs(".\n.br\n", f);
+		}
+		(void)fputs("Default: \\(lq", f);
+		roff(f, table[i].def);
+		(void)fprintf(f, "\\(rq; environment: \\fBROLLOUTD_%s\\fR%s.\n", env,
+			      conf ? "" : "; config file: the same name");
+	}
+}
+
 void ro_config_clear(struct ro_config *c)
 {
 	for (size_t i = 0; i < N_SETTINGS; i++)

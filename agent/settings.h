@@ -49,4 +49,7 @@ struct ro_config {
 int ro_config_load(struct ro_config *c, int argc, char **argv, FILE *out, FILE *err);
 void ro_config_clear(struct ro_config *c);
 void ro_config_print(const struct ro_config *c, FILE *f);
+/* The settings as roff .TP entries for the man pages: flags (rolloutd(8)) or config file
+ * lines (rolloutd.conf(5)), from the same table as --help, so the pages cannot drift. */
+void ro_config_man(FILE *f, bool conf);
 const char *ro_rebalance_name(uint32_t r);

@@ -549,6 +549,14 @@ Test(managed, cluster_routing)
 			     0, "%s", out);
 		cr_expect(strstr(out, "done     8"), "%s", out);
 	}
+	/* rolloutctl queues sees the queues of every primary from the replica seed */
+	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", seed, "queues", NULL), 0, "%s", out);
+	for (int i = 0; i < 3; i++) {
+		char line[80];
+
+		(void)snprintf(line, sizeof(line), "%s\n", names[i]);
+		cr_expect(strstr(out, line), "queue %s listed: %s", names[i], out);
+	}
 	(void)snprintf(bad, sizeof(bad), "%s/1", seed);
 	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", bad, "--queue", names[0], "status", NULL), 2,
 		     "%s", out);
