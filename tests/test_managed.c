@@ -552,9 +552,9 @@ Test(managed, cluster_routing)
 	/* rolloutctl queues sees the queues of every primary from the replica seed */
 	cr_expect_eq(ro_test_ctl(out, sizeof(out), "--redis", seed, "queues", NULL), 0, "%s", out);
 	for (int i = 0; i < 3; i++) {
-		char line[80];
+		char line[200];
 
-		(void)snprintf(line, sizeof(line), "%s\n", names[i]);
+		(void)snprintf(line, sizeof(line), "%.64s\n", names[i]);
 		cr_expect(strstr(out, line), "queue %s listed: %s", names[i], out);
 	}
 	(void)snprintf(bad, sizeof(bad), "%s/1", seed);
