@@ -23,6 +23,8 @@
 #define SPARK_LEN 40
 #define EVENTS 8
 #define MAX_SEEN 256
+#define HIST 64
+#define RATE_WINDOW_MS 5000
 
 struct seen {
 	char id[136];
@@ -32,8 +34,10 @@ struct seen {
 struct top {
 	double rate[SPARK_LEN]; /* samples/s of the last refreshes, oldest first */
 	unsigned n_rate;
-	int64_t last_samples, last_ms;
-	bool have_last;
+	/* (time, samples) of the last refreshes: the rate is taken over RATE_WINDOW_MS, since
+	 * samples land a unit's worth at a time and a per-refresh rate would mostly read 0 */
+	int64_t hist_ms[HIST], hist_samples[HIST];
+	unsigned n_hist;
 	struct seen seen[MAX_SEEN];
 	unsigned n_seen;
 	char events[EVENTS][200];
@@ -146,12 +150,17 @@ static void track(struct top *t, bool plain, bool first, const char *id, const c
 	}
 }
 
+static int by_id(const void *a, const void *b)
+{
+	return strcmp(((const struct ro_worker_info *)a)->id, ((const struct ro_worker_info *)b)->id);
+}
+
 static void refresh(struct top *t, const char *queue, struct ro_queue *q, bool plain, bool first)
 {
 	struct ro_queue_stats s;
 	int64_t now = wall_ms();
 	char when[16], sp[SPARK_LEN * 4 + 1];
-	double r = 0;
+	double r = 0, tps_all = 0;
 	int e = ro_queue_stats(q, &s);
 
 	clock_text(when, now);
@@ -164,8 +173,22 @@ static void refresh(struct top *t, const char *queue, struct ro_queue *q, bool p
 		(void)fflush(stdout);
 		return;
 	}
-	if (t->have_last && now > t->last_ms) {
-		r = (double)(s.samples - t->last_samples) * 1000.0 / (double)(now - t->last_ms);
+	if (t->n_hist == HIST) {
+		memmove(t->hist_ms, t->hist_ms + 1, sizeof(t->hist_ms[0]) * (HIST - 1));
+		memmove(t->hist_samples, t->hist_samples + 1, sizeof(t->hist_samples[0]) * (HIST - 1));
+		t->n_hist--;
+	}
+	t->hist_ms[t->n_hist] = now;
+	t->hist_samples[t->n_hist++] = s.samples;
+	if (t->n_hist > 1) {
+		unsigned k = 0;
+
+		/* the oldest refresh within the window (or the one just outside it) */
+		while (k + 1 < t->n_hist - 1 && now - t->hist_ms[k + 1] >= RATE_WINDOW_MS)
+			k++;
+		if (now > t->hist_ms[k])
+			r = (double)(s.samples - t->hist_samples[k]) * 1000.0 /
+			    (double)(now - t->hist_ms[k]);
 		if (r < 0)
 			r = 0;
 		if (t->n_rate == SPARK_LEN) {
@@ -174,9 +197,16 @@ static void refresh(struct top *t, const char *queue, struct ro_queue *q, bool p
 		}
 		t->rate[t->n_rate++] = r;
 	}
-	t->have_last = true;
-	t->last_samples = s.samples;
-	t->last_ms = now;
+	qsort(s.workers, s.n_workers, sizeof(s.workers[0]), by_id);
+	for (uint32_t i = 0; i < s.n_workers; i++) {
+		struct json_object *o = json_tokener_parse(s.workers[i].fields), *v;
+
+		/* a drained worker's last rate is history, not throughput */
+		if (o && json_object_object_get_ex(o, "tokens_per_s", &v) &&
+		    !strstr(s.workers[i].fields, "\"drained\""))
+			tps_all += json_object_get_double(v);
+		json_object_put(o);
+	}
 	spark(t, sp, sizeof(sp));
 	if (plain)
 		(void)printf("%s queue %s pending %lld leased %lld done %lld dead %lld samples %lld "
@@ -187,12 +217,12 @@ static void refresh(struct top *t, const char *queue, struct ro_queue *q, bool p
 	else
 		(void)printf("\033[H\033[2Jrolloutctl top  %s  queue %s on %s %s  (q quits)\n\n"
 			     "  pending %-8lld leased %-8lld done %-8lld dead %lld\n"
-			     "  samples %-8lld %.1f/s  %s\n"
+			     "  samples %-8lld %.1f/s  %s  (%.0f tokens/s)\n"
 			     "  trainer lag %lld (%u consumer group%s)\n\n"
 			     "  %-24s %-10s %6s %9s %9s %7s %9s\n",
 			     when, queue, ro_queue_mode(q), ro_queue_node(q), (long long)s.pending,
 			     (long long)s.leased, (long long)s.done, (long long)s.dead,
-			     (long long)s.samples, r, sp, (long long)s.lag, s.n_groups,
+			     (long long)s.samples, r, sp, tps_all, (long long)s.lag, s.n_groups,
 			     s.n_groups == 1 ? "" : "s", "WORKER", "STATE", "UNITS", "IN-FLIGHT",
 			     "TOKENS/S", "POLICY", "SEEN");
 	for (uint32_t i = 0; i < s.n_workers; i++) {

@@ -1851,6 +1851,8 @@ static void do_read(struct ro_conn *c)
 	}
 }
 
+static void do_read(struct ro_conn *c);
+
 static bool can_write(const struct ro_conn *c)
 {
 	return c->unsent && (c->st == S_READY || c->unsent->kind != K_USER);
@@ -1869,6 +1871,14 @@ static void do_write(struct ro_conn *c)
 		if (n == -EAGAIN || n == -EPROTO)
 			return;
 		if (n < 0) {
+			/* a server that refuses a client (max clients, a protocol error) says why
+			 * and closes: what it said is read first, so the error names the cause,
+			 * not the reset our write ran into */
+			if (!c->ssl) {
+				do_read(c);
+				if (c->fd < 0)
+					return;
+			}
 			conn_fail(c, -EIO, F_REROUTE, "redis %s: send: %s", ro_conn_node(c),
 				  strerror((int)-n));
 			return;
