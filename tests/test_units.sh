@@ -223,7 +223,8 @@ Environment=ROLLOUTD_SIGTERM_GRACE_S=20
 CONF
 export ROLLOUTD_REDIS=redis://127.0.0.1:6391/0 ROLLOUTD_QUEUE=nsp
 run() { # $1: variant; start, check, work, stop
-	local v=$1 pid st n
+	local v=$1 pid st n cursor
+	cursor=$(journalctl -q -n 0 --show-cursor | sed -n 's/^-- cursor: //p')
 	systemctl daemon-reload
 	timeout 60 systemctl start rolloutd && res "PASS $v: systemctl start (READY=1 within 60 s)" ||
 		res "FAIL $v: systemctl start: $(systemctl status rolloutd --no-pager -l | tail -5 | tr '\n' ' ')"
@@ -263,15 +264,23 @@ run() { # $1: variant; start, check, work, stop
 		res "PASS $v: systemctl stop: drained, exit 0 in $(( $(date +%s) - t0 )) s" ||
 		res "FAIL $v: stop: $(systemctl is-active rolloutd) Result=$(systemctl show -P Result rolloutd) status=$(systemctl show -P ExecMainStatus rolloutd) after $(( $(date +%s) - t0 )) s"
 	timeout 20 systemctl kill -s KILL rolloutd 2>/dev/null
-	journalctl -u rolloutd --no-pager -o cat _PID="$pid" >/nsp/journal-$v.log 2>&1
+	journalctl -u rolloutd --no-pager -o cat --after-cursor="$cursor" >/nsp/journal-$v.log 2>&1
 	grep -q '^drained in' /nsp/journal-$v.log && res "PASS $v: the journal shows the drain" ||
-		res "FAIL $v: no drain in the journal of pid $pid"
+		res "FAIL $v: no drain in the journal"
 }
 want=2
 run cpu
 cp /nsp/gpu-efa.conf /etc/systemd/system/rolloutd.service.d/gpu-efa.conf
 want=4
 run gpu-efa
+# an expert-parallel group of two local ranks over libfabric shm: memfd regions mapped
+# through /proc/<pid>/fd under ProtectProc=invisible, the seccomp filter and PrivateUsers
+rm /etc/systemd/system/rolloutd.service.d/gpu-efa.conf
+printf '[Service]\nEnvironment=ROLLOUTD_EP_LOCAL_RANKS=2\n' >/etc/systemd/system/rolloutd.service.d/ep.conf
+want=6
+run ep2
+grep -q 'expert parallelism: rank 1 of 2 .* over shm' /nsp/journal-ep2.log &&
+	res "PASS ep2: two ranks over shm under the hardened unit" || res "FAIL ep2: no EP group over shm in the journal"
 echo done >>/nsp/result
 redis-cli -p 6391 shutdown nosave
 systemctl --no-block poweroff
