@@ -168,6 +168,9 @@ elif ! command -v systemd-nspawn >/dev/null || ! command -v unshare >/dev/null; 
 	nspawn_why="systemd-nspawn not installed (Debian package systemd-container)"
 elif [ "$prefix" = /usr ] || [ "$prefix" = / ]; then
 	nspawn_why="installed under $prefix, which the container takes from the host"
+elif [[ $prefix =~ ^/(tmp|var/tmp|home|root|run/user)(/|$) ]]; then
+	# distcheck's prefix lies in the build tree, often under /tmp
+	nspawn_why="installed under $prefix, which the unit's PrivateTmp=/ProtectHome= hide from it"
 elif ! command -v redis-server >/dev/null; then
 	nspawn_why="no redis-server"
 fi
@@ -226,8 +229,13 @@ run() { # $1: variant; start, check, work, stop
 	local v=$1 pid st n cursor
 	cursor=$(journalctl -q -n 0 --show-cursor | sed -n 's/^-- cursor: //p')
 	systemctl daemon-reload
-	timeout 60 systemctl start rolloutd && res "PASS $v: systemctl start (READY=1 within 60 s)" ||
+	if timeout 60 systemctl start rolloutd; then
+		res "PASS $v: systemctl start (READY=1 within 60 s)"
+	else
 		res "FAIL $v: systemctl start: $(systemctl status rolloutd --no-pager -l | tail -5 | tr '\n' ' ')"
+		timeout 20 systemctl stop rolloutd
+		return
+	fi
 	pid=$(systemctl show -P MainPID rolloutd)
 	st=/proc/$pid/status
 	[ "$(awk '/^Uid:/ { print $2 }' $st)" = "$(id -u rolloutd)" ] && res "PASS $v: runs as rolloutd" ||
