@@ -29,17 +29,14 @@ static void imds_usage(FILE *f)
 	    f);
 }
 
-/* The mock ships as a Python script: installed in pkgdatadir, or found in the source
- * tree when rolloutctl runs from its build directory. */
+/* The mock ships as a Python script installed in pkgdatadir. An installed rolloutctl
+ * names nothing of the tree it was built in: run from a build directory, point
+ * ROLLOUTD_IMDS_MOCK at the source tree's imds/mock_imds.py. */
 static const char *mock_path(void)
 {
 	const char *env = getenv("ROLLOUTD_IMDS_MOCK");
 
-	if (env && *env)
-		return env;
-	if (access(RO_PKGDATADIR "/mock_imds.py", R_OK) == 0)
-		return RO_PKGDATADIR "/mock_imds.py";
-	return RO_SRCDIR "/imds/mock_imds.py";
+	return env && *env ? env : RO_PKGDATADIR "/mock_imds.py";
 }
 
 static int cmd_mock(int argc, char **argv)

@@ -377,7 +377,7 @@ int main(int argc, char **argv)
 	struct sigaction sa = {.sa_handler = on_signal};
 	struct ro_queue_opts qo;
 	struct ro_model_opts mo = {0};
-	sigset_t mask;
+	sigset_t mask, startup_mask;
 	char err[512] = "", redis_shown[1024];
 	int r, rc = 0;
 
@@ -414,7 +414,18 @@ int main(int argc, char **argv)
 	}
 	worker_id(a);
 	mo.threads = a->cfg.threads;
+	/* Threads started before the loop's signalfd takes over (the model's pool here,
+	 * libfabric's in ep_setup) must block SIGTERM and SIGINT for good: the kernel hands a
+	 * process-directed signal to any thread that does not block it, so once the main thread
+	 * blocks them below, a SIGTERM would run the start-up handler on a pool thread, be
+	 * counted there and never start the drain (systemd and the kubelet would kill at the
+	 * end of the grace period). The main thread keeps the handler until then. */
+	(void)sigemptyset(&mask);
+	(void)sigaddset(&mask, SIGTERM);
+	(void)sigaddset(&mask, SIGINT);
+	(void)pthread_sigmask(SIG_BLOCK, &mask, &startup_mask);
 	r = ro_model_load(a->cfg.model, &mo, &a->m, err, sizeof(err));
+	(void)pthread_sigmask(SIG_SETMASK, &startup_mask, NULL);
 	if (r) {
 		ro_log(LOG_ERR, "model %s: %s", a->cfg.model, err);
 		ro_config_clear(&a->cfg);
@@ -446,7 +457,10 @@ int main(int argc, char **argv)
 		ro_log(LOG_WARNING, "redis %s: %s: starting unready, operations wait for it",
 		       redis_shown, ro_queue_errmsg(a->q));
 	}
-	if (a->cfg.ep_size > 1 && ep_setup(a)) {
+	(void)pthread_sigmask(SIG_BLOCK, &mask, &startup_mask);
+	r = a->cfg.ep_size > 1 ? ep_setup(a) : 0;
+	(void)pthread_sigmask(SIG_SETMASK, &startup_mask, NULL);
+	if (r) {
 		rc = 3;
 		goto out;
 	}
