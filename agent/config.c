@@ -35,6 +35,12 @@ static const char *const cluster_names[] = {"auto", "yes", "no", NULL};
 static const char *const level_names[] = {"emerg", "alert", "crit",  "err",
 					  "warning", "notice", "info", "debug", NULL};
 
+/* the configured sysconfdir's (./configure --sysconfdir=/etc, as packages do) */
+#ifndef RO_SYSCONFDIR
+#define RO_SYSCONFDIR "/etc"
+#endif
+#define RO_CONFIG_FILE RO_SYSCONFDIR "/rolloutd/rolloutd.conf"
+
 #define F(x) offsetof(struct ro_config, x)
 static const struct setting table[] = {
     {"redis", T_STR, F(redis), "redis://127.0.0.1:6379/0", 0, 0, NULL,
@@ -333,7 +339,7 @@ static void usage(FILE *f)
 			 "       rolloutd --version\n\n"
 			 "Every setting is also ROLLOUTD_<NAME> in the environment and a\n"
 			 "\"name = value\" line of the config file (default "
-			 "/etc/rolloutd/rolloutd.conf).\nFlags beat environment beat file.\n\n");
+			 RO_CONFIG_FILE ").\nFlags beat environment beat file.\n\n");
 	for (size_t i = 0; i < N_SETTINGS; i++)
 		(void)fprintf(f, "  --%-20s %s\n  %-22s (default \"%s\")\n", table[i].name,
 			      table[i].help, "", table[i].def);
@@ -487,7 +493,7 @@ int ro_config_load(struct ro_config *c, int argc, char **argv, FILE *out, FILE *
 		}
 	}
 	if (!file || !*file)
-		file = "/etc/rolloutd/rolloutd.conf";
+		file = RO_CONFIG_FILE;
 	c->config_file = strdup(file);
 	if (!r)
 		r = load_file(c, file, must, err);

@@ -31,10 +31,10 @@ static void imds_usage(FILE *f)
 
 /* The mock ships as a Python script installed in pkgdatadir. An installed rolloutctl
  * names nothing of the tree it was built in: run from a build directory, point
- * ROLLOUTD_IMDS_MOCK at the source tree's imds/mock_imds.py. */
+ * ROLLOUTCTL_IMDS_MOCK at the source tree's imds/mock_imds.py. */
 static const char *mock_path(void)
 {
-	const char *env = getenv("ROLLOUTD_IMDS_MOCK");
+	const char *env = getenv("ROLLOUTCTL_IMDS_MOCK");
 
 	return env && *env ? env : RO_PKGDATADIR "/mock_imds.py";
 }

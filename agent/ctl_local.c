@@ -8,6 +8,7 @@
 #include <getopt.h>
 #include <poll.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,39 +26,68 @@ static const char *default_socket(void)
 	return s && *s ? s : "/run/rolloutd/control.sock";
 }
 
-/* One request; the reply in buf. -errno when the daemon cannot be reached. */
+static int64_t mono_ms(void)
+{
+	struct timespec ts;
+
+	(void)clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* One request; the reply in buf. -errno when the daemon cannot be reached. The whole
+ * exchange (connect, request, reply) ends within ASK_MS, the bound the probes' timeouts
+ * are set against (the DaemonSet's timeoutSeconds: 15): the daemon answers between decode
+ * steps, so allow for a long one, but never more. */
+#define ASK_MS 10000
 static int ask(const char *path, const char *req, char *buf, size_t len)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	struct pollfd p;
-	size_t got = 0;
+	int64_t until = mono_ms() + ASK_MS;
+	size_t got = 0, sent = 0, rl = strlen(req);
 	int fd, r = 0;
 
+	buf[0] = '\0';
 	if (strlen(path) >= sizeof(sa.sun_path))
 		return -ENAMETOOLONG;
 	(void)strcpy(sa.sun_path, path);
-	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (fd < 0)
 		return -errno;
-	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) ||
-	    write(fd, req, strlen(req)) != (ssize_t)strlen(req)) {
-		r = -errno;
-		(void)close(fd);
-		return r;
+	/* a full backlog (a stuck daemon) answers EAGAIN: try again until the deadline */
+	while (connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
+		if (errno != EAGAIN || mono_ms() >= until) {
+			r = errno == EAGAIN ? -ETIMEDOUT : -errno;
+			(void)close(fd);
+			return r;
+		}
+		(void)poll(NULL, 0, 10);
 	}
-	p = (struct pollfd){.fd = fd, .events = POLLIN};
-	/* the daemon answers between decode steps: allow for a long one */
-	while (got + 1 < len && poll(&p, 1, 10000) == 1) {
-		ssize_t n = read(fd, buf + got, len - got - 1);
+	while (got + 1 < len) {
+		struct pollfd p = {.fd = fd, .events = sent < rl ? POLLOUT : POLLIN};
+		int64_t left = until - mono_ms();
+		ssize_t n;
 
-		if (n <= 0)
+		if (left <= 0 || poll(&p, 1, (int)left) != 1)
 			break;
-		got += (size_t)n;
+		if (sent < rl) {
+			n = write(fd, req + sent, rl - sent);
+			if (n < 0 && errno != EAGAIN && errno != EINTR)
+				break;
+			sent += n > 0 ? (size_t)n : 0;
+			continue;
+		}
+		n = read(fd, buf + got, len - got - 1);
+		if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR))
+			break;
+		got += n > 0 ? (size_t)n : 0;
+		buf[got] = '\0';
 		if (memchr(buf, '\n', got))
 			break;
 	}
 	buf[got] = '\0';
 	(void)close(fd);
+	if (sent < rl && !got)
+		return -EIO;
 	return got ? 0 : -ETIMEDOUT;
 }
 

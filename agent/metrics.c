@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/random.h>
@@ -40,6 +41,9 @@ static FILE *open_tmp(const char *path, char *tmp, size_t len)
 			continue;
 		if (fd < 0)
 			return NULL;
+		/* 0644 whatever the umask (the unit's UMask=0077): node_exporter, another user,
+		 * reads the file; it holds counters, nothing secret */
+		(void)fchmod(fd, 0644);
 		f = fdopen(fd, "w");
 		if (!f) {
 			(void)close(fd);

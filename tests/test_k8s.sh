@@ -26,7 +26,7 @@ fi
 
 # how long `rolloutctl status --local` waits for the daemon's answer: the poll timeout in
 # agent/ctl_local.c's ask(), in ms (README "EKS" states the same bound)
-bound_ms=$(sed -n 's/.*poll(&p, 1, \([0-9]*\)).*/\1/p' "$src/agent/ctl_local.c" | head -1)
+bound_ms=$(sed -n 's/^#define ASK_MS \([0-9]*\)$/\1/p' "$src/agent/ctl_local.c" | head -1)
 [ -n "$bound_ms" ] && ok "rolloutctl status --local waits at most $bound_ms ms for an answer" ||
 	ko "cannot find the control-socket poll timeout in agent/ctl_local.c"
 

@@ -38,7 +38,10 @@ conf=$(find_one '*/rolloutd/rolloutd.conf.example')
 envex=$(find_one '*/rolloutd/rolloutd.env.example')
 dropin=$(find_one '*/rolloutd/rolloutd-gpu-efa.conf')
 mock=$(find_one '*/rolloutd/mock_imds.py')
-for f in daemon ctl conf envex dropin mock; do
+man8=$(find_one '*/man/man8/rolloutd.8')
+man5=$(find_one '*/man/man5/rolloutd.conf.5')
+man1=$(find_one '*/man/man1/rolloutctl.1')
+for f in daemon ctl conf envex dropin mock man8 man5 man1; do
 	[ -n "${!f}" ] && ok "installed: ${!f#"$dest"}" || ko "not installed: $f"
 done
 for f in unit sysusers tmpfiles; do
@@ -259,6 +262,9 @@ run() { # $1: variant; start, check, work, stop
 	sleep 0.5
 	[ -s /var/lib/node_exporter/textfile_collector/rolloutd.prom ] &&
 		res "PASS $v: metrics textfile written (ReadWritePaths)" || res "FAIL $v: no metrics textfile"
+	[ "$(stat -c %a /var/lib/node_exporter/textfile_collector/rolloutd.prom)" = 644 ] &&
+		res "PASS $v: metrics textfile 0644 under UMask=0077 (the collector reads it)" ||
+		res "FAIL $v: metrics textfile mode $(stat -c %a /var/lib/node_exporter/textfile_collector/rolloutd.prom)"
 	[ -S /run/rolloutd/control.sock ] && [ "$(stat -c %a /run/rolloutd/control.sock)" = 600 ] &&
 		res "PASS $v: control socket 0600 in RuntimeDirectory" || res "FAIL $v: control socket"
 	[ "$(stat -c %U /var/cache/rolloutd)" = rolloutd ] && res "PASS $v: /var/cache/rolloutd is rolloutd's" ||

@@ -4,10 +4,18 @@
 #   "  --NAME   HELP"  then  "      (default "VALUE")"
 BEGIN {
 	print "# rolloutd.conf: one \"name = value\" per line; '#' starts a comment."
-	print "# rolloutd reads /etc/rolloutd/rolloutd.conf (or --config FILE, ROLLOUTD_CONFIG);"
+}
+# "... config file (default /etc/rolloutd/rolloutd.conf)." in the usage text: the configured
+# path, said at the top
+/config file \(default / && !said {
+	path = $0
+	sub(/.*config file \(default /, "", path)
+	sub(/\).*/, "", path)
+	print "# rolloutd reads " path " (or --config FILE, ROLLOUTD_CONFIG);"
 	print "# ROLLOUTD_<NAME> in the environment beats the file, a --name flag beats both."
 	print "# Every setting is below with its default, commented out; generated from"
 	print "# `rolloutd --help` at build time."
+	said = 1
 }
 /^  --[a-z0-9-]+ / {
 	name = $1
