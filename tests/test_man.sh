@@ -2,7 +2,7 @@
 # The man pages say what the binaries do: every setting of `rolloutd --help` is in
 # rolloutd(8) and rolloutd.conf(5) and nothing else is, every command of `rolloutctl
 # --help` is in rolloutctl(1), no page names the build tree, and groff formats each
-# without a warning.
+# without a warning (but "can't break line": an installed path can be longer than a line).
 set -euo pipefail
 man=${RO_MANDIR:-man}
 pass=0 fail=0
@@ -43,7 +43,7 @@ fi
 # groff formats each page without warnings
 if command -v groff >/dev/null; then
 	for p in rolloutd.8 rolloutd.conf.5 rolloutctl.1; do
-		w=$(LC_ALL=C.UTF-8 groff -man -Tutf8 -ww -z "$man/$p" 2>&1 || true)
+		w=$(LC_ALL=C.UTF-8 groff -man -Tutf8 -ww -Wbreak -z "$man/$p" 2>&1 || true)
 		[ -z "$w" ] && ok "groff: $p" || ko "groff: $p: $w"
 	done
 	LC_ALL=C.UTF-8 groff -man -Tutf8 -P-cbou "$man/rolloutd.8" 2>/dev/null | grep -q 'drain-margin-ms' &&
