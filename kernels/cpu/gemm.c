@@ -21,7 +21,8 @@
 #define HAVE_X86 0
 #endif
 
-static int use_avx2 = -1;
+/* 0 portable, 1 AVX2+FMA, 2 AVX-512 (F, BW, DQ, VL); -1 until first asked */
+static int kern = -1;
 
 bool ro_cpu_has_avx2(void)
 {
@@ -33,23 +34,45 @@ bool ro_cpu_has_avx2(void)
 #endif
 }
 
+static bool cpu_has_avx512(void)
+{
+#if HAVE_X86
+	__builtin_cpu_init();
+	return ro_cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+	       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+	       __builtin_cpu_supports("avx512vl");
+#else
+	return false;
+#endif
+}
+
+static int kern_best(void)
+{
+	return cpu_has_avx512() ? 2 : ro_cpu_has_avx2() ? 1 : 0;
+}
+
+static int kern_get(void)
+{
+	if (kern < 0)
+		kern = kern_best();
+	return kern;
+}
+
 void ro_kernels_force_scalar(bool scalar)
 {
-	use_avx2 = scalar ? 0 : ro_cpu_has_avx2();
+	kern = scalar ? 0 : kern_best();
 }
 
 bool ro_kernels_avx2(void)
 {
-	if (use_avx2 < 0)
-		use_avx2 = ro_cpu_has_avx2();
-	return use_avx2;
+	return kern_get() >= 1;
 }
 
 const char *ro_kernels_name(void)
 {
-	if (use_avx2 < 0)
-		use_avx2 = ro_cpu_has_avx2();
-	return use_avx2 ? "avx2+fma" : "scalar";
+	static const char *const names[] = {"scalar", "avx2+fma", "avx512+fma"};
+
+	return names[kern_get()];
 }
 
 /* ---- portable path --------------------------------------------------------------------- */
@@ -218,15 +241,162 @@ static AVX2 void gemm_avx2(const struct ro_mat *W, const float *x, uint32_t T, f
 		}
 	}
 }
+
+/* ---- AVX-512 ----------------------------------------------------------------------------
+ *
+ * The order every (row, token) dot product is summed in, whatever block, thread or batch
+ * computes it: sixteen lane accumulators, lane l taking k = 16j + l for j = 0, 1, ... in
+ * order (one FMA each), reduced by one fixed tree (lanes l + l+8, then l + l+4, then l + l+2,
+ * then the last two), then the tail k >= K16 in k order (a multiply and an add). Blocks of
+ * R rows x TT tokens share the loads of W and x between R x TT such accumulators and change
+ * nothing else, so a token's logits are the same bits in a batch of 1 or of 256. */
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
+
+INLINE AVX512 float hsum512(__m512 v)
+{
+	__m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
+				 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+	__m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+	__m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+
+	return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+/* Sixteen weights as f32: bf16 widened in the register (a zero-extend and a shift). */
+INLINE AVX512 __m512 w16(const void *w, enum ro_dtype dt, size_t i)
+{
+	if (dt == RO_BF16)
+		return _mm512_castsi512_ps(_mm512_slli_epi32(
+		    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))),
+		    16));
+	return _mm512_loadu_ps((const float *)w + i);
+}
+
+/* R rows x TT tokens (constants at every call; the pragmas unroll the loops so the R x TT
+ * accumulators live in zmm registers: R x TT + R <= 31). */
+INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *x, uint32_t t,
+			    float *y, uint32_t ldy, const int R, const int TT, const enum ro_dtype dt)
+{
+	const size_t K = W->cols, K16 = K & ~(size_t)15;
+	const size_t wsz = dt == RO_BF16 ? 2 : 4;
+	const char *wr[8];
+	const float *xr[6];
+	__m512 acc[8][6];
+
+#pragma GCC unroll 8
+	for (int i = 0; i < R; i++) {
+		wr[i] = (const char *)W->w + (size_t)(r + i) * K * wsz;
+#pragma GCC unroll 6
+		for (int j = 0; j < TT; j++)
+			acc[i][j] = _mm512_setzero_ps();
+	}
+#pragma GCC unroll 6
+	for (int j = 0; j < TT; j++)
+		xr[j] = x + (size_t)(t + j) * K;
+	for (size_t k = 0; k < K16; k += 16) {
+		__m512 wv[8];
+
+		/* the weights stream from DRAM once per step: a line ahead per row every
+		 * 64 bytes, PF_AHEAD bytes ahead (prefetches past the end do not fault) */
+		if (!((k * wsz) & 63)) {
+#pragma GCC unroll 8
+			for (int i = 0; i < R; i++)
+				_mm_prefetch(wr[i] + k * wsz + PF_AHEAD, _MM_HINT_T0);
+		}
+#pragma GCC unroll 8
+		for (int i = 0; i < R; i++)
+			wv[i] = w16(wr[i], dt, k);
+#pragma GCC unroll 6
+		for (int j = 0; j < TT; j++) {
+			__m512 xv = _mm512_loadu_ps(xr[j] + k);
+
+#pragma GCC unroll 8
+			for (int i = 0; i < R; i++)
+				acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+		}
+	}
+#pragma GCC unroll 8
+	for (int i = 0; i < R; i++) {
+#pragma GCC unroll 6
+		for (int j = 0; j < TT; j++) {
+			float s = hsum512(acc[i][j]);
+
+			for (size_t k = K16; k < K; k++)
+				s = s + w_at(W->w, dt, (size_t)(r + i) * K + k) * xr[j][k];
+			y[(size_t)(t + j) * ldy + r + i] = s;
+		}
+	}
+}
+
+/* Rows [rb, re) for tokens [t, t + TT): R at a time, then 2, then 1. */
+INLINE AVX512 void rows512(const struct ro_mat *W, uint32_t rb, uint32_t re, const float *x,
+			   uint32_t t, float *y, uint32_t ldy, const int R, const int TT,
+			   const enum ro_dtype dt)
+{
+	uint32_t r = rb;
+
+	for (; r + R <= re; r += R)
+		block512(W, r, x, t, y, ldy, R, TT, dt);
+	for (; r + 2 <= re; r += 2)
+		block512(W, r, x, t, y, ldy, 2, TT, dt);
+	for (; r < re; r++)
+		block512(W, r, x, t, y, ldy, 1, TT, dt);
+}
+
+INLINE AVX512 void gemm512(const struct ro_mat *W, const float *x, uint32_t T, float *y,
+			   uint32_t ldy, uint32_t r0, uint32_t r1, const enum ro_dtype dt)
+{
+	/* rows in blocks that stay in L2 while every token passes over them */
+	const uint32_t RB = 48;
+
+	for (uint32_t rb = r0; rb < r1; rb += RB) {
+		const uint32_t re = rb + RB < r1 ? rb + RB : r1;
+		uint32_t t = 0;
+
+		/* 4 x 6 for the bulk: 24 accumulators, each W load feeds 6 FMAs */
+		for (; t + 6 <= T; t += 6)
+			rows512(W, rb, re, x, t, y, ldy, 4, 6, dt);
+		switch (T - t) {
+		case 5:
+			rows512(W, rb, re, x, t, y, ldy, 4, 5, dt);
+			break;
+		case 4:
+			rows512(W, rb, re, x, t, y, ldy, 6, 4, dt);
+			break;
+		case 3:
+			rows512(W, rb, re, x, t, y, ldy, 6, 3, dt);
+			break;
+		case 2:
+			rows512(W, rb, re, x, t, y, ldy, 8, 2, dt);
+			break;
+		case 1:
+			/* decode: eight rows in flight keep enough misses outstanding */
+			rows512(W, rb, re, x, t, y, ldy, 8, 1, dt);
+			break;
+		}
+	}
+}
+
+static AVX512 void gemm_avx512(const struct ro_mat *W, const float *x, uint32_t T, float *y,
+			       uint32_t ldy, uint32_t r0, uint32_t r1)
+{
+	if (W->dtype == RO_BF16)
+		gemm512(W, x, T, y, ldy, r0, r1, RO_BF16);
+	else
+		gemm512(W, x, T, y, ldy, r0, r1, RO_F32);
+}
 #endif
 
 void ro_gemm_rows(const struct ro_mat *W, const float *x, uint32_t T, float *y, uint32_t ldy,
 		  uint32_t r0, uint32_t r1)
 {
-	if (use_avx2 < 0)
-		use_avx2 = ro_cpu_has_avx2();
 #if HAVE_X86
-	if (use_avx2) {
+	switch (kern_get()) {
+	case 2:
+		gemm_avx512(W, x, T, y, ldy, r0, r1);
+		return;
+	case 1:
 		gemm_avx2(W, x, T, y, ldy, r0, r1);
 		return;
 	}
