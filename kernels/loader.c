@@ -737,3 +737,8 @@ uint32_t ro_model_last_experts(const struct ro_model *m)
 {
 	return m->experts_run;
 }
+
+void ro_model_last_split(const struct ro_model *m, struct ro_model_split *ret)
+{
+	*ret = m->split;
+}

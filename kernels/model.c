@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels/model_internal.h"
 
@@ -166,6 +167,19 @@ void ro_swiglu(float *g, const float *u, size_t n)
 		g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* Seconds since *t, and *t moved to now: the forward's phase timer (a few dozen calls per
+ * forward; CLOCK_MONOTONIC is a vDSO read). */
+static double lap(struct timespec *t)
+{
+	struct timespec n;
+	double d;
+
+	(void)clock_gettime(CLOCK_MONOTONIC, &n);
+	d = (double)(n.tv_sec - t->tv_sec) + (n.tv_nsec - t->tv_nsec) / 1e9;
+	*t = n;
+	return d;
+}
+
 /* ---- the batch ------------------------------------------------------------------------- */
 
 
@@ -280,6 +294,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	int32_t *ids = NULL;
 	float *rw = NULL;
 	uint32_t *out_tok = NULL;
+	struct timespec tm;
 	float *p;
 	int r = 0;
 
@@ -304,6 +319,8 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	if (!T)
 		return m->have_xch ? ro_forward_idle(m) : 0;
 	m->experts_run = 0;
+	m->split = (struct ro_model_split){0};
+	(void)clock_gettime(CLOCK_MONOTONIC, &tm);
 	for (size_t i = 0; i < count; i++) {
 		r = ro_seq_reserve(items[i].seq, items[i].seq->len + items[i].n);
 		if (r)
@@ -359,6 +376,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 					out_tok[o++] = t;
 			}
 		}
+		m->split.other += lap(&tm);
 		for (uint32_t l = 0; l < c->layers; l++) {
 			const struct layer *L = &m->L[l];
 
@@ -386,6 +404,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			for (t = 0; t < T; t++)
 				ro_rmsnorm(f.x + (size_t)t * H, L->post_norm, H, c->rms_eps,
 					f.h + (size_t)t * H);
+			m->split.attention += lap(&tm);
 			if (L->dense) {
 				float *g = scratch, *u = g + (size_t)T * L->ffn,
 				      *y = u + (size_t)T * L->ffn;
@@ -402,6 +421,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				ro_run_jobs(m, &J);
 				for (size_t i = 0; i < (size_t)T * H; i++)
 					f.x[i] = f.x[i] + y[i];
+				m->split.experts += lap(&tm);
 				continue;
 			}
 			if ((r = ro_jobs_add(&J, &L->router, f.h, T, router, c->experts,
@@ -411,6 +431,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			for (t = 0; t < T; t++)
 				ro_route(c, router + (size_t)t * c->experts, ids + (size_t)t * K,
 				      rw + (size_t)t * K);
+			m->split.router += lap(&tm);
 			if (m->have_xch)
 				r = m->xch.exchange(m->xch.ctx, l, f.h, ids, rw, T, K, H, moe_out);
 			else
@@ -421,6 +442,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				/* the transport summed the weighted outputs: only the residual */
 				for (size_t i = 0; i < (size_t)T * H; i++)
 					f.x[i] = f.x[i] + moe_out[i];
+				m->split.experts += lap(&tm);
 				continue;
 			}
 			/* combine: the weighted outputs summed in expert order, then the residual */
@@ -436,6 +458,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 					xr[d] = xr[d] + acc;
 				}
 			}
+			m->split.experts += lap(&tm);
 		}
 		/* final norm and the LM head, only for the rows whose logits are wanted */
 		for (o = 0; o < n_out; o++)
@@ -470,6 +493,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				}
 			}
 		}
+		m->split.head += lap(&tm);
 		for (size_t i = 0; i < count && !r; i++)
 			items[i].seq->len += items[i].n;
 	}

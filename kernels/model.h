@@ -44,7 +44,7 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 		  char *err, size_t errlen);
 struct ro_model *ro_model_free(struct ro_model *m);
 const struct ro_model_config *ro_model_config(const struct ro_model *m);
-/* "avx2+fma" or "scalar", and the thread count in use. */
+/* "avx512+fma", "avx2+fma" or "scalar", and the thread count in use. */
 const char *ro_model_kernels(const struct ro_model *m);
 /* Whether this build was configured with CUDA (--with-cuda; today that builds the probe
  * only): for --version and rolloutd_build_info. */
@@ -55,6 +55,15 @@ void ro_model_sizes(const struct ro_model *m, uint64_t *ret_total, uint64_t *ret
 
 /* (layer, expert) pairs the last forward ran locally: the expert weights it read. */
 uint32_t ro_model_last_experts(const struct ro_model *m);
+
+/* Where the last forward's wall time went, in seconds (summed over layers): attention (the
+ * norms, q/k/v/o projections, RoPE and attention over the cache), router (its GEMM and the
+ * top-k), experts (the expert layer or the exchange, and the combine), head (the final norm
+ * and the LM head), other (embedding and set-up). */
+struct ro_model_split {
+	double attention, router, experts, head, other;
+};
+void ro_model_last_split(const struct ro_model *m, struct ro_model_split *ret);
 
 /* A sequence: its KV cache (max_len positions) and length. */
 int ro_seq_new(struct ro_model *m, uint32_t max_len, struct ro_seq **ret);

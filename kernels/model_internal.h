@@ -34,6 +34,7 @@ struct ro_model {
 	struct ro_moe_exchange xch;
 	bool have_xch;
 	uint32_t experts_run; /* by the last forward */
+	struct ro_model_split split; /* of the last forward */
 	/* workspace, grown to the largest batch seen */
 	float *ws;
 	size_t ws_len;
