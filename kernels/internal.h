@@ -91,6 +91,10 @@ struct ro_mat {
  * instructions in the same order whatever T, r0 and r1 are: batch invariance rests here. */
 void ro_gemm_rows(const struct ro_mat *W, const float *x, uint32_t T, float *y, uint32_t ldy,
 		  uint32_t r0, uint32_t r1);
+/* The same for rows anywhere: token t's input is x[t] (cols floats), its output row y[t]
+ * (y[t][r] for r in [r0, r1)). The expert layer runs its tokens in place this way. */
+void ro_gemm_ptrs(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
+		  uint32_t r0, uint32_t r1);
 bool ro_cpu_has_avx2(void);
 void ro_kernels_force_scalar(bool scalar);
 const char *ro_kernels_name(void);

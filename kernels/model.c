@@ -180,6 +180,22 @@ static double lap(struct timespec *t)
 	return d;
 }
 
+/* Token t's expert outputs, weighted and summed in expert order, added to its residual. */
+static void combine_one(void *arg, uint32_t t)
+{
+	const struct fwd *f = arg;
+	const uint32_t H = f->m->c.hidden, K = f->m->c.top_k;
+	float *xr = f->x + (size_t)t * H;
+
+	for (uint32_t d = 0; d < H; d++) {
+		float acc = 0;
+
+		for (uint32_t j = 0; j < K; j++)
+			acc = acc + f->rw[(size_t)t * K + j] * f->moe_out[((size_t)t * K + j) * H + d];
+		xr[d] = xr[d] + acc;
+	}
+}
+
 /* ---- the batch ------------------------------------------------------------------------- */
 
 
@@ -446,18 +462,9 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				continue;
 			}
 			/* combine: the weighted outputs summed in expert order, then the residual */
-			for (t = 0; t < T; t++) {
-				float *xr = f.x + (size_t)t * H;
-
-				for (uint32_t d = 0; d < H; d++) {
-					float acc = 0;
-
-					for (uint32_t j = 0; j < K; j++)
-						acc = acc + rw[(size_t)t * K + j] *
-								moe_out[((size_t)t * K + j) * H + d];
-					xr[d] = xr[d] + acc;
-				}
-			}
+			f.rw = rw;
+			f.moe_out = moe_out;
+			ro_pool_for(m->pool, T, combine_one, &f);
 			m->split.experts += lap(&tm);
 		}
 		/* final norm and the LM head, only for the rows whose logits are wanted */
@@ -546,7 +553,7 @@ uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens)
 	const struct ro_model_config *c = &m->c;
 	const uint64_t T = tokens, TK = T * c->top_k, H = c->hidden, E = c->experts;
 	const uint64_t qd = (uint64_t)c->heads * c->head_dim, kvd = ro_kv_row(m);
-	uint64_t b, fj, ej;
+	uint64_t b, fj;
 	bool moe = false;
 
 	if (!tokens)
@@ -563,13 +570,11 @@ uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens)
 	fj = fj > njobs(c->vocab) ? fj : njobs(c->vocab);
 	b += jobs_bytes(fj);
 	if (moe) {
-		/* local_experts' row pointers; ro_model_experts' scratch, counts and slots */
+		/* local_experts' row pointers; ro_model_experts' gate/up scratch, counts,
+		 * offsets, active experts and its four row-pointer arrays */
 		b += TK * sizeof(float *);
-		b += TK * (H * 2 + (uint64_t)c->expert_ffn * 2) * sizeof(float);
-		b += (E + 1) * sizeof(uint32_t) * 2 + TK * sizeof(uint32_t);
-		ej = E * njobs(c->expert_ffn) * 2;
-		ej = ej > E * njobs(H) ? ej : E * njobs(H);
-		b += jobs_bytes(ej);
+		b += TK * (uint64_t)c->expert_ffn * 2 * sizeof(float);
+		b += (E + 1) * sizeof(uint32_t) * 2 + E * sizeof(uint32_t) + TK * 4 * sizeof(void *);
 	}
 	return b;
 }

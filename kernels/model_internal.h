@@ -90,6 +90,7 @@ struct fwd {
 	struct ro_seq **seq;
 	uint32_t *pos;
 	float *x, *h, *q, *k, *v, *att, *cs, *sn;
+	const float *rw, *moe_out; /* the routing weights and expert outputs, for the combine */
 	bool avx2;
 };
 

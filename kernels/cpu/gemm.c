@@ -107,12 +107,12 @@ static void dot_scalar(const struct ro_mat *W, uint32_t r, const float *x, float
 	*out = s;
 }
 
-static void gemm_scalar(const struct ro_mat *W, const float *x, uint32_t T, float *y,
-			uint32_t ldy, uint32_t r0, uint32_t r1)
+static void gemm_scalar(const struct ro_mat *W, const float *const *x, uint32_t T,
+			float *const *y, uint32_t r0, uint32_t r1)
 {
 	for (uint32_t r = r0; r < r1; r++)
 		for (uint32_t t = 0; t < T; t++)
-			dot_scalar(W, r, x + (size_t)t * W->cols, &y[(size_t)t * ldy + r]);
+			dot_scalar(W, r, x[t], &y[t][r]);
 }
 
 /* ---- AVX2 + FMA ------------------------------------------------------------------------ */
@@ -135,8 +135,8 @@ INLINE AVX2 float hsum256(__m256 v)
 /* R rows x TT tokens; R, TT are constants at every call, and the pragmas unroll their
  * loops completely so the accumulators live in registers (without them GCC keeps acc[][]
  * in memory and the kernel runs at a third of its speed). */
-INLINE AVX2 void block(const struct ro_mat *W, uint32_t r, const float *x, uint32_t t,
-		       float *y, uint32_t ldy, const int R, const int TT)
+INLINE AVX2 void block(const struct ro_mat *W, uint32_t r, const float *const *x, uint32_t t,
+		       float *const *y, const int R, const int TT)
 {
 	const size_t K = W->cols, K8 = K & ~(size_t)7;
 	const enum ro_dtype dt = W->dtype;
@@ -155,7 +155,7 @@ INLINE AVX2 void block(const struct ro_mat *W, uint32_t r, const float *x, uint3
 	}
 #pragma GCC unroll 4
 	for (int j = 0; j < TT; j++)
-		xr[j] = x + (size_t)(t + j) * K;
+		xr[j] = x[t + j];
 	if (dt == RO_BF16) {
 		for (size_t k = 0; k < K8; k += 8) {
 			__m256 wv[4];
@@ -208,13 +208,13 @@ INLINE AVX2 void block(const struct ro_mat *W, uint32_t r, const float *x, uint3
 
 			for (size_t k = K8; k < K; k++)
 				s = s + w_at(W->w, dt, (size_t)(r + i) * K + k) * xr[j][k];
-			y[(size_t)(t + j) * ldy + r + i] = s;
+			y[t + j][r + i] = s;
 		}
 	}
 }
 
-static AVX2 void gemm_avx2(const struct ro_mat *W, const float *x, uint32_t T, float *y,
-			   uint32_t ldy, uint32_t r0, uint32_t r1)
+static AVX2 void gemm_avx2(const struct ro_mat *W, const float *const *x, uint32_t T,
+			   float *const *y, uint32_t r0, uint32_t r1)
 {
 	/* rows in blocks that stay in L2 while every token passes over them */
 	const uint32_t RB = 32;
@@ -227,17 +227,17 @@ static AVX2 void gemm_avx2(const struct ro_mat *W, const float *x, uint32_t T, f
 			uint32_t r = rb;
 
 			for (; r + 2 <= re; r += 2)
-				block(W, r, x, t, y, ldy, 2, 4);
+				block(W, r, x, t, y, 2, 4);
 			for (; r < re; r++)
-				block(W, r, x, t, y, ldy, 1, 4);
+				block(W, r, x, t, y, 1, 4);
 		}
 		for (; t < T; t++) {
 			uint32_t r = rb;
 
 			for (; r + 4 <= re; r += 4)
-				block(W, r, x, t, y, ldy, 4, 1);
+				block(W, r, x, t, y, 4, 1);
 			for (; r < re; r++)
-				block(W, r, x, t, y, ldy, 1, 1);
+				block(W, r, x, t, y, 1, 1);
 		}
 	}
 }
@@ -275,8 +275,9 @@ INLINE AVX512 __m512 w16(const void *w, enum ro_dtype dt, size_t i)
 
 /* R rows x TT tokens (constants at every call; the pragmas unroll the loops so the R x TT
  * accumulators live in zmm registers: R x TT + R <= 31). */
-INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *x, uint32_t t,
-			    float *y, uint32_t ldy, const int R, const int TT, const enum ro_dtype dt)
+INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *const *x,
+			    uint32_t t, float *const *y, const int R, const int TT,
+			    const enum ro_dtype dt)
 {
 	const size_t K = W->cols, K16 = K & ~(size_t)15;
 	const size_t wsz = dt == RO_BF16 ? 2 : 4;
@@ -293,7 +294,7 @@ INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *x, 
 	}
 #pragma GCC unroll 6
 	for (int j = 0; j < TT; j++)
-		xr[j] = x + (size_t)(t + j) * K;
+		xr[j] = x[t + j];
 	for (size_t k = 0; k < K16; k += 16) {
 		__m512 wv[8];
 
@@ -324,28 +325,28 @@ INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *x, 
 
 			for (size_t k = K16; k < K; k++)
 				s = s + w_at(W->w, dt, (size_t)(r + i) * K + k) * xr[j][k];
-			y[(size_t)(t + j) * ldy + r + i] = s;
+			y[t + j][r + i] = s;
 		}
 	}
 }
 
 /* Rows [rb, re) for tokens [t, t + TT): R at a time, then 2, then 1. */
-INLINE AVX512 void rows512(const struct ro_mat *W, uint32_t rb, uint32_t re, const float *x,
-			   uint32_t t, float *y, uint32_t ldy, const int R, const int TT,
-			   const enum ro_dtype dt)
+INLINE AVX512 void rows512(const struct ro_mat *W, uint32_t rb, uint32_t re,
+			   const float *const *x, uint32_t t, float *const *y, const int R,
+			   const int TT, const enum ro_dtype dt)
 {
 	uint32_t r = rb;
 
 	for (; r + R <= re; r += R)
-		block512(W, r, x, t, y, ldy, R, TT, dt);
+		block512(W, r, x, t, y, R, TT, dt);
 	for (; r + 2 <= re; r += 2)
-		block512(W, r, x, t, y, ldy, 2, TT, dt);
+		block512(W, r, x, t, y, 2, TT, dt);
 	for (; r < re; r++)
-		block512(W, r, x, t, y, ldy, 1, TT, dt);
+		block512(W, r, x, t, y, 1, TT, dt);
 }
 
-INLINE AVX512 void gemm512(const struct ro_mat *W, const float *x, uint32_t T, float *y,
-			   uint32_t ldy, uint32_t r0, uint32_t r1, const enum ro_dtype dt)
+INLINE AVX512 void gemm512(const struct ro_mat *W, const float *const *x, uint32_t T,
+			   float *const *y, uint32_t r0, uint32_t r1, const enum ro_dtype dt)
 {
 	/* rows in blocks that stay in L2 while every token passes over them */
 	const uint32_t RB = 48;
@@ -356,50 +357,71 @@ INLINE AVX512 void gemm512(const struct ro_mat *W, const float *x, uint32_t T, f
 
 		/* 4 x 6 for the bulk: 24 accumulators, each W load feeds 6 FMAs */
 		for (; t + 6 <= T; t += 6)
-			rows512(W, rb, re, x, t, y, ldy, 4, 6, dt);
+			rows512(W, rb, re, x, t, y, 4, 6, dt);
 		switch (T - t) {
 		case 5:
-			rows512(W, rb, re, x, t, y, ldy, 4, 5, dt);
+			rows512(W, rb, re, x, t, y, 4, 5, dt);
 			break;
 		case 4:
-			rows512(W, rb, re, x, t, y, ldy, 6, 4, dt);
+			rows512(W, rb, re, x, t, y, 6, 4, dt);
 			break;
 		case 3:
-			rows512(W, rb, re, x, t, y, ldy, 6, 3, dt);
+			rows512(W, rb, re, x, t, y, 6, 3, dt);
 			break;
 		case 2:
-			rows512(W, rb, re, x, t, y, ldy, 8, 2, dt);
+			rows512(W, rb, re, x, t, y, 8, 2, dt);
 			break;
 		case 1:
 			/* decode: eight rows in flight keep enough misses outstanding */
-			rows512(W, rb, re, x, t, y, ldy, 8, 1, dt);
+			rows512(W, rb, re, x, t, y, 8, 1, dt);
 			break;
 		}
 	}
 }
 
-static AVX512 void gemm_avx512(const struct ro_mat *W, const float *x, uint32_t T, float *y,
-			       uint32_t ldy, uint32_t r0, uint32_t r1)
+static AVX512 void gemm_avx512(const struct ro_mat *W, const float *const *x, uint32_t T,
+			       float *const *y, uint32_t r0, uint32_t r1)
 {
 	if (W->dtype == RO_BF16)
-		gemm512(W, x, T, y, ldy, r0, r1, RO_BF16);
+		gemm512(W, x, T, y, r0, r1, RO_BF16);
 	else
-		gemm512(W, x, T, y, ldy, r0, r1, RO_F32);
+		gemm512(W, x, T, y, r0, r1, RO_F32);
 }
 #endif
 
-void ro_gemm_rows(const struct ro_mat *W, const float *x, uint32_t T, float *y, uint32_t ldy,
+void ro_gemm_ptrs(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
 		  uint32_t r0, uint32_t r1)
 {
 #if HAVE_X86
 	switch (kern_get()) {
 	case 2:
-		gemm_avx512(W, x, T, y, ldy, r0, r1);
+		gemm_avx512(W, x, T, y, r0, r1);
 		return;
 	case 1:
-		gemm_avx2(W, x, T, y, ldy, r0, r1);
+		gemm_avx2(W, x, T, y, r0, r1);
 		return;
 	}
 #endif
-	gemm_scalar(W, x, T, y, ldy, r0, r1);
+	gemm_scalar(W, x, T, y, r0, r1);
+}
+
+/* Strided rows as pointers, GEMM_TOK tokens at a time (the pointers on the stack): a token
+ * block's W rows are read once per GEMM_TOK tokens, which is every token at decode. */
+#define GEMM_TOK 256
+
+void ro_gemm_rows(const struct ro_mat *W, const float *x, uint32_t T, float *y, uint32_t ldy,
+		  uint32_t r0, uint32_t r1)
+{
+	const float *xp[GEMM_TOK];
+	float *yp[GEMM_TOK];
+
+	for (uint32_t t0 = 0; t0 < T; t0 += GEMM_TOK) {
+		const uint32_t n = T - t0 < GEMM_TOK ? T - t0 : GEMM_TOK;
+
+		for (uint32_t t = 0; t < n; t++) {
+			xp[t] = x + (size_t)(t0 + t) * W->cols;
+			yp[t] = y + (size_t)(t0 + t) * ldy;
+		}
+		ro_gemm_ptrs(W, xp, n, yp, r0, r1);
+	}
 }
