@@ -29,7 +29,9 @@ struct ro_model_config {
 	uint32_t sliding_window; /* Mixtral: attend to the last N positions; 0: all */
 	double rope_theta, rms_eps;
 	uint32_t max_pos;
-	char dtype[8]; /* of the weights: F32, BF16, F16 */
+	char dtype[8]; /* of the weights: F32, BF16, F16, or F8_E4M3 (block FP8: see fp8) */
+	bool fp8;      /* quantization_config fp8, 128x128 blocks: F8_E4M3 linear weights with
+			* an F32 weight_scale_inv each; the rest (norms, embedding) as stored */
 };
 
 struct ro_model_opts {
@@ -280,7 +282,7 @@ struct ro_make_model_opts {
 	uint32_t layers, hidden, heads, kv_heads, head_dim, experts, top_k, expert_ffn, vocab;
 	uint32_t dense_ffn;	/* 0: 4 * hidden */
 	uint64_t dense_layers;	/* Qwen3-MoE mlp_only_layers as bits */
-	const char *dtype;	/* "BF16" (default), "F32", "F16" */
+	const char *dtype;	/* "BF16" (default), "F32", "F16", "FP8" (block FP8, BF16 rest) */
 	uint64_t seed;
 	uint32_t shards;	/* > 1: model-0000N-of-0000M.safetensors + index */
 	double rope_theta;

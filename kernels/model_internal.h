@@ -51,7 +51,9 @@ struct ro_seq {
 /* Element i of a tensor as f32, whatever its stored dtype. */
 static inline float ro_elem(const struct ro_tensor *t, size_t i)
 {
-	return t->dtype == RO_F32    ? ((const float *)t->data)[i]
+	/* (F8E4M3 is unscaled here: the loader takes it for linear weights only) */
+	return t->dtype == RO_F8E4M3 ? ro_f8e4m3_to_f32(((const uint8_t *)t->data)[i])
+	       : t->dtype == RO_F32  ? ((const float *)t->data)[i]
 	       : t->dtype == RO_BF16 ? ro_bf16_to_f32(((const uint16_t *)t->data)[i])
 				     : ro_f16_to_f32(((const uint16_t *)t->data)[i]);
 }

@@ -77,9 +77,17 @@ const char *ro_kernels_name(void)
 
 /* ---- portable path --------------------------------------------------------------------- */
 
-static inline float w_at(const void *w, enum ro_dtype dt, size_t i)
+/* W[r][k] as f32: bf16 widened; F8E4M3 decoded and times its block's scale (one f32
+ * rounding, as tests/ref/ref_moe.py dequantizes) */
+static inline float w_at(const struct ro_mat *W, size_t r, size_t k)
 {
-	return dt == RO_BF16 ? ro_bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+	const size_t i = r * W->cols + k;
+
+	if (W->dtype == RO_F8E4M3)
+		return ro_f8e4m3_to_f32(((const uint8_t *)W->w)[i]) *
+		       W->scale[(r / RO_FP8_BLOCK) * W->scale_cols + k / RO_FP8_BLOCK];
+	return W->dtype == RO_BF16 ? ro_bf16_to_f32(((const uint16_t *)W->w)[i])
+				   : ((const float *)W->w)[i];
 }
 
 static float hsum8(const float a[8])
@@ -94,16 +102,15 @@ static float hsum8(const float a[8])
 static void dot_scalar(const struct ro_mat *W, uint32_t r, const float *x, float *out)
 {
 	const size_t K = W->cols, K8 = K & ~(size_t)7;
-	const size_t base = (size_t)r * K;
 	float acc[8] = {0};
 	float s;
 
 	for (size_t k = 0; k < K8; k += 8)
 		for (int l = 0; l < 8; l++)
-			acc[l] = acc[l] + w_at(W->w, W->dtype, base + k + l) * x[k + l];
+			acc[l] = acc[l] + w_at(W, r, k + l) * x[k + l];
 	s = hsum8(acc);
 	for (size_t k = K8; k < K; k++)
-		s = s + w_at(W->w, W->dtype, base + k) * x[k];
+		s = s + w_at(W, r, k) * x[k];
 	*out = s;
 }
 
@@ -207,7 +214,7 @@ INLINE AVX2 void block(const struct ro_mat *W, uint32_t r, const float *const *x
 			float s = hsum256(acc[i][j]);
 
 			for (size_t k = K8; k < K; k++)
-				s = s + w_at(W->w, dt, (size_t)(r + i) * K + k) * xr[j][k];
+				s = s + w_at(W, r + i, k) * xr[j][k];
 			y[t + j][r + i] = s;
 		}
 	}
@@ -270,6 +277,22 @@ INLINE AVX512 __m512 w16(const void *w, enum ro_dtype dt, size_t i)
 		return _mm512_castsi512_ps(_mm512_slli_epi32(
 		    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))),
 		    16));
+	if (dt == RO_F8E4M3) {
+		/* e4m3fn: the byte at the top (sign at bit 31), exponent and mantissa moved to an
+		 * f32's bits 30..20 and scaled by 2^120 (exact, subnormals included), the sign
+		 * put back; ro_f8e4m3_to_f32 with sixteen lanes */
+		const __m512i t = _mm512_slli_epi32(
+		    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + i))),
+		    24);
+		const __m512 mag = _mm512_mul_ps(
+		    _mm512_castsi512_ps(_mm512_and_si512(_mm512_srli_epi32(t, 4),
+							 _mm512_set1_epi32(0x07f00000))),
+		    _mm512_set1_ps(0x1p120f));
+
+		/* mag | (t & sign bit) */
+		return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+		    _mm512_castps_si512(mag), t, _mm512_set1_epi32((int)0x80000000u), 0xf8));
+	}
 	return _mm512_loadu_ps((const float *)w + i);
 }
 
@@ -280,14 +303,17 @@ INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *con
 			    const enum ro_dtype dt)
 {
 	const size_t K = W->cols, K16 = K & ~(size_t)15;
-	const size_t wsz = dt == RO_BF16 ? 2 : 4;
+	const size_t wsz = dt == RO_BF16 ? 2 : dt == RO_F8E4M3 ? 1 : 4;
 	const char *wr[8];
-	const float *xr[6];
-	__m512 acc[8][6];
+	const float *xr[6], *srow[8];
+	__m512 acc[8][6], sc[8];
 
 #pragma GCC unroll 8
 	for (int i = 0; i < R; i++) {
 		wr[i] = (const char *)W->w + (size_t)(r + i) * K * wsz;
+		srow[i] = dt == RO_F8E4M3 ? W->scale + ((r + i) / RO_FP8_BLOCK) * W->scale_cols
+					  : NULL;
+		sc[i] = _mm512_setzero_ps();
 #pragma GCC unroll 6
 		for (int j = 0; j < TT; j++)
 			acc[i][j] = _mm512_setzero_ps();
@@ -305,9 +331,17 @@ INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *con
 			for (int i = 0; i < R; i++)
 				_mm_prefetch(wr[i] + k * wsz + PF_AHEAD, _MM_HINT_T0);
 		}
+		if (dt == RO_F8E4M3 && !(k % RO_FP8_BLOCK)) {
 #pragma GCC unroll 8
-		for (int i = 0; i < R; i++)
+			for (int i = 0; i < R; i++)
+				sc[i] = _mm512_set1_ps(srow[i][k / RO_FP8_BLOCK]);
+		}
+#pragma GCC unroll 8
+		for (int i = 0; i < R; i++) {
 			wv[i] = w16(wr[i], dt, k);
+			if (dt == RO_F8E4M3) /* the block's scale: one rounding, as w_at */
+				wv[i] = _mm512_mul_ps(wv[i], sc[i]);
+		}
 #pragma GCC unroll 6
 		for (int j = 0; j < TT; j++) {
 			__m512 xv = _mm512_loadu_ps(xr[j] + k);
@@ -324,7 +358,7 @@ INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *con
 			float s = hsum512(acc[i][j]);
 
 			for (size_t k = K16; k < K; k++)
-				s = s + w_at(W->w, dt, (size_t)(r + i) * K + k) * xr[j][k];
+				s = s + w_at(W, r + i, k) * xr[j][k];
 			y[t + j][r + i] = s;
 		}
 	}
@@ -384,6 +418,8 @@ static AVX512 void gemm_avx512(const struct ro_mat *W, const float *const *x, ui
 {
 	if (W->dtype == RO_BF16)
 		gemm512(W, x, T, y, r0, r1, RO_BF16);
+	else if (W->dtype == RO_F8E4M3)
+		gemm512(W, x, T, y, r0, r1, RO_F8E4M3);
 	else
 		gemm512(W, x, T, y, r0, r1, RO_F32);
 }
@@ -398,6 +434,8 @@ void ro_gemm_ptrs(const struct ro_mat *W, const float *const *x, uint32_t T, flo
 		gemm_avx512(W, x, T, y, r0, r1);
 		return;
 	case 1:
+		if (W->dtype == RO_F8E4M3)
+			break; /* no AVX2 FP8 kernel yet: the portable one */
 		gemm_avx2(W, x, T, y, r0, r1);
 		return;
 	}
