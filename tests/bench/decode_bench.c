@@ -12,7 +12,8 @@
  * the production-sized case (its one-step prefill alone takes minutes there: attention
  * over ~8e9 query-key pairs).
  *
- *   decode_bench [--model DIR] [--steps N] [--threads N] [--batches 1,8,32,128]
+ *   decode_bench [--model DIR | --fp8] [--steps N] [--threads N] [--batches 1,8,32,128]
+ *                [--prompt P (prefill tokens, 512)]
  *                [--only decode|chunked] [--prefill-chunk C] [--long-prompt N]
  *                [--chunk-batches 8,32] [--chunk-steps S] */
 #include <errno.h>
@@ -204,11 +205,16 @@ static void shape_of(const struct ro_model_config *c, struct shape *s)
 	s->head_params = H * c->vocab;
 	/* the bytes the kernels stream per parameter: BF16 is read as stored, F16 is widened to
 	 * F32 at load (kernels/loader.c), F32 is 4; the embedding is read as stored */
-	const double wb = !strcmp(c->dtype, "BF16") ? 2 : 4, eb = !strcmp(c->dtype, "F32") ? 4 : 2;
+	const bool fp8 = !strcmp(c->dtype, "F8_E4M3");
+	const double wb = !strcmp(c->dtype, "BF16") || fp8 ? 2 : 4,
+		     eb = !strcmp(c->dtype, "F32") ? 4 : 2;
+	/* FP8: a byte per parameter and an f32 scale per 128 x 128 block for the linear
+	 * layers; the router and the LM head stay BF16 (as Qwen3-*-FP8 ships them) */
+	const double qb = fp8 ? 1 + 4.0 / (128 * 128) : wb;
 
-	s->attn_bytes = s->attn_params * wb;
+	s->attn_bytes = s->attn_params * qb;
 	s->router_bytes = s->router_params * wb;
-	s->expert_bytes = s->expert_params * wb;
+	s->expert_bytes = s->expert_params * qb;
 	s->head_bytes = s->head_params * wb;
 	s->embed_row_bytes = H * eb;
 	s->layers = c->layers;
@@ -442,10 +448,11 @@ int main(int argc, char **argv)
 	    {"long-prompt", required_argument, NULL, 'l'},
 	    {"chunk-batches", required_argument, NULL, 'B'},
 	    {"chunk-steps", required_argument, NULL, 'S'},
+	    {"fp8", no_argument, NULL, 'F'},
 	    {0},
 	};
 	const char *dir = "/tmp/rolloutd-decode-bench-model";
-	bool own_model = false;
+	bool own_model = false, fp8 = false;
 	uint32_t steps = 8, threads = 0, batches[16] = {1, 8, 32, 128}, nb = 4, plen = 32;
 	uint32_t prefill_len = 512;
 	struct chunked ck = {.batches = {8, 32}, .nb = 2, .chunk = 256, .prompt = 2000, .steps = 4};
@@ -491,6 +498,8 @@ int main(int argc, char **argv)
 			ck.prompt = (uint32_t)atoi(optarg);
 		} else if (ch == 'S') {
 			ck.steps = (uint32_t)atoi(optarg);
+		} else if (ch == 'F') {
+			fp8 = true;
 		} else {
 			return 2;
 		}
@@ -504,7 +513,9 @@ int main(int argc, char **argv)
 	for (uint32_t i = 0; i < ck.nb; i++)
 		if (!ck.batches[i])
 			return 2;
-	if (!own_model && ro_bench_model_ensure("decode_bench", dir, 2026))
+	if (fp8 && !own_model)
+		dir = "/tmp/rolloutd-decode-bench-model-fp8";
+	if (!own_model && ro_bench_model_ensure_dtype("decode_bench", dir, 2026, fp8 ? "FP8" : "BF16"))
 		return 1;
 	mo.threads = threads;
 	if (ro_model_load(dir, &mo, &m, err, sizeof(err))) {
@@ -615,7 +626,8 @@ int main(int argc, char **argv)
 
 			for (uint32_t j = 0; j < prefill_len; j++)
 				p[j] = (int32_t)((j * 104729 + 17) % c->vocab);
-			for (int rep = 0; rep < 3; rep++) {
+			/* best of 3 (of 1 past 1024 tokens: one run is long enough to average) */
+			for (int rep = 0; rep < (prefill_len > 1024 ? 1 : 3); rep++) {
 				struct ro_fwd_item it;
 				double t0;
 
