@@ -324,12 +324,17 @@ INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *con
 	for (size_t k = 0; k < K16; k += 16) {
 		__m512 wv[8];
 
-		/* the weights stream from DRAM once per step: a line ahead per row every
-		 * 64 bytes, PF_AHEAD bytes ahead (prefetches past the end do not fault) */
+		/* the weights stream from DRAM once per step: a line per row every 64 bytes,
+		 * R rows + 1 KiB ahead, i.e. in the next block's rows (W is contiguous), so the
+		 * misses of the next block overlap this one's FMAs. A fixed distance (the old
+		 * 4 KiB) lands inside this very block once R rows span more than it: measured
+		 * on 256 experts of 256 x 1024 bf16 (past L3), 1 thread, 4 tokens each: 16 GB/s
+		 * with 4 KiB, 31-36 with this; 1 token: 27 -> 33-36 GB/s. (Prefetches past the
+		 * end do not fault.) */
 		if (!((k * wsz) & 63)) {
 #pragma GCC unroll 8
 			for (int i = 0; i < R; i++)
-				_mm_prefetch(wr[i] + k * wsz + PF_AHEAD, _MM_HINT_T0);
+				_mm_prefetch(wr[i] + ((size_t)R * K + k) * wsz + 1024, _MM_HINT_T0);
 		}
 		if (dt == RO_F8E4M3 && !(k % RO_FP8_BLOCK)) {
 #pragma GCC unroll 8
