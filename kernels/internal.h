@@ -122,3 +122,5 @@ void ro_kernels_force_scalar(bool scalar);
 const char *ro_kernels_name(void);
 /* The AVX2 kernels are in use (the CPU has them and the portable ones are not forced). */
 bool ro_kernels_avx2(void);
+/* The AVX-512 kernels are in use. */
+bool ro_kernels_avx512(void);

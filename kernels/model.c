@@ -355,6 +355,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	}
 	f.T = T;
 	f.avx2 = ro_kernels_avx2();
+	f.avx512 = ro_kernels_avx512() && hd % 16 == 0;
 	f.x = p;
 	f.h = f.x + (size_t)T * H;
 	f.q = f.h + (size_t)T * H;
@@ -406,7 +407,12 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				goto out;
 			ro_run_jobs(m, &J);
 			ro_pool_for(m->pool, T, ro_qk_rope_store, &f);
-			ro_pool_for(m->pool, T * c->heads, ro_attend_one, &f);
+#if defined(__x86_64__)
+			if (f.avx512)
+				ro_pool_for(m->pool, T * c->kv_heads, ro_attend_group, &f);
+			else
+#endif
+				ro_pool_for(m->pool, T * c->heads, ro_attend_one, &f);
 			/* o_proj into h, then the residual */
 			if ((r = ro_jobs_add(&J, &L->o, f.att, T, f.h, H, ro_chunk_for(m, H, T, 1))))
 				goto out;

@@ -94,12 +94,15 @@ struct fwd {
 	float *x, *h, *q, *k, *v, *att, *cs, *sn;
 	const float *rw, *moe_out; /* the routing weights and expert outputs, for the combine */
 	bool avx2;
+	bool avx512; /* attention by KV group (ro_attend_group); head_dim % 16 == 0 */
 };
 
 /* cpu/attention.c: per token, the biases, q/k norms and RoPE, stored into the cache; per
  * (token, head), attention over the cache. Both are ro_pool_for tasks over struct fwd. */
 void ro_qk_rope_store(void *arg, uint32_t t);
 void ro_attend_one(void *arg, uint32_t i);
+/* The same with AVX-512 for a (token, KV head): its query heads together. */
+void ro_attend_group(void *arg, uint32_t i);
 
 /* cpu/moe.c: routing, the local expert layer, and a rank's empty turn in an exchange. */
 void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids, float *w);

@@ -68,6 +68,11 @@ bool ro_kernels_avx2(void)
 	return kern_get() >= 1;
 }
 
+bool ro_kernels_avx512(void)
+{
+	return kern_get() == 2;
+}
+
 const char *ro_kernels_name(void)
 {
 	static const char *const names[] = {"scalar", "avx2+fma", "avx512+fma"};
