@@ -128,8 +128,7 @@ static int cfg_quant(const struct cfg *x, struct ro_model_config *c)
 		return 0;
 	if (!json_object_is_type(q, json_type_object))
 		return cfg_bad(x, k, "%.64s is not an object", cfg_show(q));
-	json_object_object_foreach(q, key, val)
-	{
+	json_object_object_foreach (q, key, val) {
 		const bool str = json_object_is_type(val, json_type_string);
 		const char *sv = str ? json_object_get_string(val) : "";
 
@@ -169,8 +168,10 @@ static int cfg_quant(const struct cfg *x, struct ro_model_config *c)
 			for (size_t i = 0; i < json_object_array_length(val); i++)
 				if (!json_object_is_type(json_object_array_get_idx(val, i),
 							 json_type_string))
-					return cfg_bad(x, k, "modules_to_not_convert[%zu] is not "
-							     "a string", i);
+					return cfg_bad(x, k,
+						       "modules_to_not_convert[%zu] is not "
+						       "a string",
+						       i);
 		} else {
 			return cfg_bad(x, k, "key %.64s is not supported", key);
 		}
@@ -498,8 +499,8 @@ static int mat(struct ro_model *m, const char *name, uint32_t rows, uint32_t col
 			return r;
 		if (s->dtype != RO_F32)
 			return ro_errf(err, errlen, -ENOTSUP,
-				       "%s: tensor %s: weight_scale_inv must be F32", ro_st_file(m->st, s),
-				       sn);
+				       "%s: tensor %s: weight_scale_inv must be F32",
+				       ro_st_file(m->st, s), sn);
 		ret->w = t->data;
 		ret->dtype = RO_F8E4M3;
 		ret->scale = s->data;
@@ -658,8 +659,9 @@ static int check_finite(struct ro_model *m, char *err, size_t errlen)
 	for (uint32_t i = 0; i < k && !r; i++)
 		if (sc.bad[i]) {
 			const struct ro_tensor *t = sc.t[i];
-			float v = t->dtype == RO_F32 ? 0 : t->dtype == RO_F8E4M3 ? NAN
-									   : ro_elem(t, sc.bad[i] - 1);
+			float v = t->dtype == RO_F32	  ? 0
+				  : t->dtype == RO_F8E4M3 ? NAN
+							  : ro_elem(t, sc.bad[i] - 1);
 
 			if (t->dtype == RO_F32)
 				memcpy(&v, (const uint8_t *)t->data + 4 * (sc.bad[i] - 1), 4);
@@ -741,8 +743,8 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 		goto fail;
 	}
 	(void)snprintf(m->c.dtype, sizeof(m->c.dtype), "%s",
-		       m->c.fp8			   ? "F8_E4M3"
-		       : m->embed->dtype == RO_F32 ? "F32"
+		       m->c.fp8			    ? "F8_E4M3"
+		       : m->embed->dtype == RO_F32  ? "F32"
 		       : m->embed->dtype == RO_BF16 ? "BF16"
 						    : "F16");
 	m->L = calloc(m->c.layers, sizeof(*m->L));

@@ -188,8 +188,8 @@ static int write_tensor(FILE *f, const struct spec *all, const struct spec *t, u
 			const uint64_t row = i / w->d1, k = i % w->d1;
 			const uint64_t scn = (w->d1 + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK;
 
-			buf[used] = f32_to_e4m3(
-			    v[i] / sc[(row / RO_FP8_BLOCK) * scn + k / RO_FP8_BLOCK]);
+			buf[used] =
+			    f32_to_e4m3(v[i] / sc[(row / RO_FP8_BLOCK) * scn + k / RO_FP8_BLOCK]);
 		} else if (t->dt == RO_F32) {
 			memcpy(buf + used, &v[i], 4);
 		} else {
@@ -218,8 +218,7 @@ static const char *dt_name(enum ro_dtype dt)
 
 /* A shard's tensors in the file by element size, largest first (F32, then 16-bit, then
  * FP8), so every tensor is aligned to its element without padding between them. */
-static int write_shard(const char *path, struct spec *t, size_t n, uint32_t shard,
-		       uint64_t seed)
+static int write_shard(const char *path, struct spec *t, size_t n, uint32_t shard, uint64_t seed)
 {
 	size_t hcap = 4096 + n * 200, hl = 0;
 	char *h = malloc(hcap);
@@ -423,9 +422,10 @@ int ro_make_model(const struct ro_make_model_opts *o, const char *dir, char *err
 				      o->kv_heads, o->head_dim, o->top_k, o->rope_theta,
 				      o->tie_embeddings ? "true" : "false", dt == RO_BF16 ? "bfloat16" : dt == RO_F16 ? "float16" : "float32");
 			if (fp8)
-				(void)fprintf(f, "  \"quantization_config\": {\"quant_method\": "
-						 "\"fp8\", \"fmt\": \"e4m3\", \"activation_scheme\": "
-						 "\"dynamic\", \"weight_block_size\": [128, 128]},\n");
+				(void)fprintf(f,
+					      "  \"quantization_config\": {\"quant_method\": "
+					      "\"fp8\", \"fmt\": \"e4m3\", \"activation_scheme\": "
+					      "\"dynamic\", \"weight_block_size\": [128, 128]},\n");
 			if (q3) {
 				(void)fprintf(f,
 					      "  \"num_experts\": %u,\n  \"moe_intermediate_size\": %u,\n"

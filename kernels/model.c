@@ -191,7 +191,8 @@ static void combine_one(void *arg, uint32_t t)
 		float acc = 0;
 
 		for (uint32_t j = 0; j < K; j++)
-			acc = acc + f->rw[(size_t)t * K + j] * f->moe_out[((size_t)t * K + j) * H + d];
+			acc = acc +
+			      f->rw[(size_t)t * K + j] * f->moe_out[((size_t)t * K + j) * H + d];
 		xr[d] = xr[d] + acc;
 	}
 }
@@ -580,7 +581,8 @@ uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens)
 		 * offsets, active experts and its four row-pointer arrays */
 		b += TK * sizeof(float *);
 		b += TK * (uint64_t)c->expert_ffn * 2 * sizeof(float);
-		b += (E + 1) * sizeof(uint32_t) * 2 + E * sizeof(uint32_t) + TK * 4 * sizeof(void *);
+		b +=
+		    (E + 1) * sizeof(uint32_t) * 2 + E * sizeof(uint32_t) + TK * 4 * sizeof(void *);
 	}
 	return b;
 }

@@ -216,9 +216,10 @@ static int add_tensor(struct ro_st_set *s, const char *file, const char *name,
 			       "%s: tensor %s: want dtype, shape and data_offsets [begin, end]",
 			       file, name);
 	if (parse_dtype(json_object_get_string(dt), &t.dtype))
-		return ro_errf(err, errlen, -ENOTSUP,
-			       "%s: tensor %s: dtype %.32s is not supported (F32, BF16, F16, F8_E4M3)", file,
-			       name, json_object_get_string(dt));
+		return ro_errf(
+		    err, errlen, -ENOTSUP,
+		    "%s: tensor %s: dtype %.32s is not supported (F32, BF16, F16, F8_E4M3)", file,
+		    name, json_object_get_string(dt));
 	if (json_object_array_length(shape) > 4)
 		return ro_errf(err, errlen, -EBADMSG, "%s: tensor %s: %zu dimensions, at most 4",
 			       file, name, json_object_array_length(shape));

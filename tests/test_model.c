@@ -1179,9 +1179,9 @@ Test(model, bad_model_files)
 	expect_refused("lie5", -EBADMSG, "shape");
 	/* unsupported dtype */
 	make("dtype", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
-	corrupt_header("dtype",
-		       "{\"x\": {\"dtype\": \"F8_E5M2\", \"shape\": [4], \"data_offsets\": [0, 4]}}",
-		       4);
+	corrupt_header(
+	    "dtype", "{\"x\": {\"dtype\": \"F8_E5M2\", \"shape\": [4], \"data_offsets\": [0, 4]}}",
+	    4);
 	expect_refused("dtype", -ENOTSUP, "F8_E5M2");
 	/* a tensor twice */
 	make("dup", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
@@ -1698,8 +1698,8 @@ Test(hostile, fp8_fields_are_checked)
 	o.dtype = "FP8";
 	/* a weight without its scales (the renamed scales are then a tensor nobody reads) */
 	cr_assert_eq(ro_make_model(&o, path("fp8s"), err, sizeof(err)), 0, "%s", err);
-	patch_file("fp8s", "model.safetensors", "q_proj.weight_scale_inv", "q_proj.weight_scale_inx",
-		   0);
+	patch_file("fp8s", "model.safetensors", "q_proj.weight_scale_inv",
+		   "q_proj.weight_scale_inx", 0);
 	expect_refused("fp8s", -ENOENT, "q_proj.weight_scale_inv is missing");
 	/* scales of another dtype */
 	cr_assert_eq(ro_make_model(&o, path("fp8d"), err, sizeof(err)), 0, "%s", err);

@@ -190,9 +190,9 @@ static inline AVX512 float hsum16(__m512 v)
  * tree for each tile's sum. The heads go through each K/V tile together, so it is read
  * once from memory for all of them; every query's arithmetic is its own and the same
  * whatever the batch or chunk (its tiles follow from its position alone). */
-static AVX512 void attend_group512(const float *q, size_t qstride, const float *K,
-				   const float *V, uint32_t row, uint32_t n, uint32_t hd,
-				   float scale, float *out, size_t ostride, uint32_t G)
+static AVX512 void attend_group512(const float *q, size_t qstride, const float *K, const float *V,
+				   uint32_t row, uint32_t n, uint32_t hd, float scale, float *out,
+				   size_t ostride, uint32_t G)
 {
 	float sc[GQ][ATT_TILE] __attribute__((aligned(64)));
 	float mx[GQ], sum[GQ];
@@ -211,7 +211,8 @@ static AVX512 void attend_group512(const float *q, size_t qstride, const float *
 
 			for (uint32_t g = 0; g < G; g++) {
 				const float *qg = q + g * qstride;
-				__m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kr));
+				__m512 acc =
+				    _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kr));
 
 				for (uint32_t d = 16; d < hd; d += 16)
 					acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d),
@@ -237,10 +238,11 @@ static AVX512 void attend_group512(const float *q, size_t qstride, const float *
 								       _mm512_set1_ps(a)));
 				mx[g] = tmx;
 			}
-			/* the tile's weights, 16 at a time (lanes past w are 0), summed lane-wise in
-			 * order, then one tree */
+			/* the tile's weights, 16 at a time (lanes past w are 0), summed lane-wise
+			 * in order, then one tree */
 			for (uint32_t j = 0; j < w; j += 16) {
-				const __mmask16 k = w - j >= 16 ? 0xffff : (__mmask16)((1u << (w - j)) - 1);
+				const __mmask16 k =
+				    w - j >= 16 ? 0xffff : (__mmask16)((1u << (w - j)) - 1);
 				__m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, &sc[g][j]),
 								_mm512_set1_ps(mx[g])));
 
@@ -290,9 +292,9 @@ void ro_attend_group(void *arg, uint32_t i)
 	for (uint32_t g0 = 0; g0 < G; g0 += GQ) {
 		const uint32_t hh = kvh * G + g0;
 
-		attend_group512(f->q + (size_t)t * c->heads * hd + (size_t)hh * hd, hd, K, V, row, n,
-				hd, scale, f->att + (size_t)t * c->heads * hd + (size_t)hh * hd, hd,
-				G - g0 < GQ ? G - g0 : GQ);
+		attend_group512(f->q + (size_t)t * c->heads * hd + (size_t)hh * hd, hd, K, V, row,
+				n, hd, scale, f->att + (size_t)t * c->heads * hd + (size_t)hh * hd,
+				hd, G - g0 < GQ ? G - g0 : GQ);
 	}
 }
 #endif

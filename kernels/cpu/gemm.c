@@ -119,8 +119,8 @@ static void dot_scalar(const struct ro_mat *W, uint32_t r, const float *x, float
 	*out = s;
 }
 
-static void gemm_scalar(const struct ro_mat *W, const float *const *x, uint32_t T,
-			float *const *y, uint32_t r0, uint32_t r1)
+static void gemm_scalar(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
+			uint32_t r0, uint32_t r1)
 {
 	for (uint32_t r = r0; r < r1; r++)
 		for (uint32_t t = 0; t < T; t++)
@@ -279,20 +279,21 @@ INLINE AVX512 float hsum512(__m512 v)
 INLINE AVX512 __m512 w16(const void *w, enum ro_dtype dt, size_t i)
 {
 	if (dt == RO_BF16)
-		return _mm512_castsi512_ps(_mm512_slli_epi32(
-		    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i))),
-		    16));
+		return _mm512_castsi512_ps(
+		    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+					  (const __m256i *)((const uint16_t *)w + i))),
+				      16));
 	if (dt == RO_F8E4M3) {
 		/* e4m3fn: the byte at the top (sign at bit 31), exponent and mantissa moved to an
 		 * f32's bits 30..20 and scaled by 2^120 (exact, subnormals included), the sign
 		 * put back; ro_f8e4m3_to_f32 with sixteen lanes */
-		const __m512i t = _mm512_slli_epi32(
-		    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + i))),
-		    24);
-		const __m512 mag = _mm512_mul_ps(
-		    _mm512_castsi512_ps(_mm512_and_si512(_mm512_srli_epi32(t, 4),
-							 _mm512_set1_epi32(0x07f00000))),
-		    _mm512_set1_ps(0x1p120f));
+		const __m512i t = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+							(const __m128i *)((const uint8_t *)w + i))),
+						    24);
+		const __m512 mag =
+		    _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(
+				      _mm512_srli_epi32(t, 4), _mm512_set1_epi32(0x07f00000))),
+				  _mm512_set1_ps(0x1p120f));
 
 		/* mag | (t & sign bit) */
 		return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
@@ -303,9 +304,8 @@ INLINE AVX512 __m512 w16(const void *w, enum ro_dtype dt, size_t i)
 
 /* R rows x TT tokens (constants at every call; the pragmas unroll the loops so the R x TT
  * accumulators live in zmm registers: R x TT + R <= 31). */
-INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *const *x,
-			    uint32_t t, float *const *y, const int R, const int TT,
-			    const enum ro_dtype dt)
+INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *const *x, uint32_t t,
+			    float *const *y, const int R, const int TT, const enum ro_dtype dt)
 {
 	const size_t K = W->cols, K16 = K & ~(size_t)15;
 	const size_t wsz = dt == RO_BF16 ? 2 : dt == RO_F8E4M3 ? 1 : 4;
@@ -316,8 +316,8 @@ INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *con
 #pragma GCC unroll 8
 	for (int i = 0; i < R; i++) {
 		wr[i] = (const char *)W->w + (size_t)(r + i) * K * wsz;
-		srow[i] = dt == RO_F8E4M3 ? W->scale + ((r + i) / RO_FP8_BLOCK) * W->scale_cols
-					  : NULL;
+		srow[i] =
+		    dt == RO_F8E4M3 ? W->scale + ((r + i) / RO_FP8_BLOCK) * W->scale_cols : NULL;
 		sc[i] = _mm512_setzero_ps();
 #pragma GCC unroll 6
 		for (int j = 0; j < TT; j++)
@@ -375,9 +375,9 @@ INLINE AVX512 void block512(const struct ro_mat *W, uint32_t r, const float *con
 }
 
 /* Rows [rb, re) for tokens [t, t + TT): R at a time, then 2, then 1. */
-INLINE AVX512 void rows512(const struct ro_mat *W, uint32_t rb, uint32_t re,
-			   const float *const *x, uint32_t t, float *const *y, const int R,
-			   const int TT, const enum ro_dtype dt)
+INLINE AVX512 void rows512(const struct ro_mat *W, uint32_t rb, uint32_t re, const float *const *x,
+			   uint32_t t, float *const *y, const int R, const int TT,
+			   const enum ro_dtype dt)
 {
 	uint32_t r = rb;
 

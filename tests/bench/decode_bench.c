@@ -520,7 +520,8 @@ int main(int argc, char **argv)
 			return 2;
 	if (fp8 && !own_model)
 		dir = "/tmp/rolloutd-decode-bench-model-fp8";
-	if (!own_model && ro_bench_model_ensure_dtype("decode_bench", dir, 2026, fp8 ? "FP8" : "BF16"))
+	if (!own_model &&
+	    ro_bench_model_ensure_dtype("decode_bench", dir, 2026, fp8 ? "FP8" : "BF16"))
 		return 1;
 	mo.threads = threads;
 	if (ro_model_load(dir, &mo, &m, err, sizeof(err))) {
@@ -664,7 +665,8 @@ int main(int argc, char **argv)
 		}
 		(void)printf(
 		    "\nx floor = measured time / floor time (1.00 is the machine's limit; goal "
-		    "<= 1.3 to batch 32, <= 1.5 above).\nfloor = max(bytes touched / memcpy bandwidth, FLOPs / FMA "
+		    "<= 1.3 to batch 32, <= 1.5 above).\nfloor = max(bytes touched / memcpy "
+		    "bandwidth, FLOPs / FMA "
 		    "throughput); bytes count the weights of the\nexperts the step really ran "
 		    "(all 64 per layer from batch ~32 on), attention, router, head, KV.\n");
 	}
