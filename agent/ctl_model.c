@@ -160,11 +160,12 @@ int ro_ctl_make_model(int argc, char **argv)
 			o.norm_topk = false;
 			continue;
 		case 'h':
-			(void)puts("usage: rolloutctl make-model [--arch qwen3_moe|mixtral] [--layers L]\n"
-				   "  [--hidden H] [--heads N] [--kv-heads N] [--head-dim D]\n"
-				   "  [--experts E] [--top-k K] [--expert-ffn F] [--vocab V]\n"
-				   "  [--dense-ffn F] [--dense-layers 0,3] [--dtype BF16|F32|F16]\n"
-				   "  [--seed S] [--shards N] [--rope-theta X] [--no-norm-topk] DIR");
+			(void)puts(
+			    "usage: rolloutctl make-model [--arch qwen3_moe|mixtral] [--layers L]\n"
+			    "  [--hidden H] [--heads N] [--kv-heads N] [--head-dim D]\n"
+			    "  [--experts E] [--top-k K] [--expert-ffn F] [--vocab V]\n"
+			    "  [--dense-ffn F] [--dense-layers 0,3] [--dtype BF16|F32|F16|FP8]\n"
+			    "  [--seed S] [--shards N] [--rope-theta X] [--no-norm-topk] DIR");
 			return 0;
 		default:
 			return EXIT_USAGE;

@@ -8,7 +8,9 @@
 
 /* ---- safetensors ------------------------------------------------------------------------ */
 
-enum ro_dtype { RO_F32, RO_BF16, RO_F16 };
+/* F8_E4M3: float8_e4m3fn (bias 7, no infinities, 0x7f and 0xff NaN), only as the weight
+ * of a linear layer with a per-128x128-block F32 weight_scale_inv beside it. */
+enum ro_dtype { RO_F32, RO_BF16, RO_F16, RO_F8E4M3 };
 
 struct ro_tensor {
 	char *name;
@@ -66,6 +68,23 @@ static inline uint16_t ro_f32_to_bf16(float f)
 	return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
 }
 
+/* float8_e4m3fn as f32, exactly: the seven low bits placed as an f32's exponent and
+ * mantissa (bias 127 - 120) and scaled by 2^120, which also gets the subnormals right; NaN
+ * codes are refused at load, so they never reach this. */
+static inline float ro_f8e4m3_to_f32(uint8_t b)
+{
+	union {
+		uint32_t u;
+		float f;
+	} v = {.u = (uint32_t)(b & 0x7f) << 20};
+	float f = v.f * 0x1p120f;
+
+	return b & 0x80 ? -f : f;
+}
+
+/* FP8 block size of weight_scale_inv (rows and columns), the only one implemented */
+#define RO_FP8_BLOCK 128
+
 float ro_f16_to_f32(uint16_t h);
 uint16_t ro_f32_to_f16(float f);
 
@@ -83,16 +102,25 @@ void ro_pool_for(struct ro_pool *p, uint32_t n, void (*fn)(void *arg, uint32_t i
 /* A weight matrix [rows][cols], row-major as Hugging Face stores nn.Linear (out, in). */
 struct ro_mat {
 	const void *w;
-	enum ro_dtype dtype; /* F32 or BF16 (F16 is widened at load) */
+	enum ro_dtype dtype; /* F32, BF16 or F8E4M3 (F16 is widened at load) */
 	uint32_t rows, cols;
+	/* F8E4M3: W[r][k] = w[r][k] * scale[(r / 128) * scale_cols + k / 128], in f32 */
+	const float *scale;
+	uint32_t scale_cols;
 };
 
 /* y[t][r0..r1) = W[r0..r1) . x[t] for t < T. Every (row, token) dot product runs the same
  * instructions in the same order whatever T, r0 and r1 are: batch invariance rests here. */
 void ro_gemm_rows(const struct ro_mat *W, const float *x, uint32_t T, float *y, uint32_t ldy,
 		  uint32_t r0, uint32_t r1);
+/* The same for rows anywhere: token t's input is x[t] (cols floats), its output row y[t]
+ * (y[t][r] for r in [r0, r1)). The expert layer runs its tokens in place this way. */
+void ro_gemm_ptrs(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
+		  uint32_t r0, uint32_t r1);
 bool ro_cpu_has_avx2(void);
 void ro_kernels_force_scalar(bool scalar);
 const char *ro_kernels_name(void);
 /* The AVX2 kernels are in use (the CPU has them and the portable ones are not forced). */
 bool ro_kernels_avx2(void);
+/* The AVX-512 kernels are in use. */
+bool ro_kernels_avx512(void);

@@ -112,6 +112,78 @@ static int cfg_str(const struct cfg *x, const char *key, const char **ret)
 	return 0;
 }
 
+/* Block FP8 as Hugging Face's fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3) writes it:
+ * quant_method "fp8", weight_block_size [128, 128], fmt "e4m3" and activation_scheme
+ * "dynamic" when given, modules_to_not_convert a list of names when given (which weights are
+ * FP8 is read from each tensor's dtype). Anything else (static activation scales, another
+ * block size or format, unknown keys) is refused: it would not be computed as written. The
+ * activations stay f32 here (the "dynamic" scheme quantizes them in HF's kernel): logits are
+ * those of the dequantized weights, which is what tests/ref/ref_moe.py computes. */
+static int cfg_quant(const struct cfg *x, struct ro_model_config *c)
+{
+	struct json_object *q = cfg_get(x, "quantization_config"), *v;
+	const char *k = "quantization_config";
+
+	if (!q)
+		return 0;
+	if (!json_object_is_type(q, json_type_object))
+		return cfg_bad(x, k, "%.64s is not an object", cfg_show(q));
+	json_object_object_foreach (q, key, val) {
+		const bool str = json_object_is_type(val, json_type_string);
+		const char *sv = str ? json_object_get_string(val) : "";
+
+		if (!strcmp(key, "quant_method")) {
+			if (!str || strcmp(sv, "fp8"))
+				return cfg_bad(x, k, "quant_method %.64s is not supported (fp8)",
+					       cfg_show(val));
+		} else if (!strcmp(key, "fmt")) {
+			if (!str || strcmp(sv, "e4m3"))
+				return cfg_bad(x, k, "fmt %.64s is not supported (e4m3)",
+					       cfg_show(val));
+		} else if (!strcmp(key, "activation_scheme")) {
+			if (!str || strcmp(sv, "dynamic"))
+				return cfg_bad(x, k,
+					       "activation_scheme %.64s is not supported (dynamic)",
+					       cfg_show(val));
+		} else if (!strcmp(key, "weight_block_size")) {
+			if (!json_object_is_type(val, json_type_array) ||
+			    json_object_array_length(val) != 2)
+				return cfg_bad(x, k, "weight_block_size %.64s is not [128, 128]",
+					       cfg_show(val));
+			for (size_t i = 0; i < 2; i++) {
+				struct json_object *e = json_object_array_get_idx(val, i);
+
+				if (!json_object_is_type(e, json_type_int) ||
+				    json_object_get_int64(e) != RO_FP8_BLOCK)
+					return cfg_bad(x, k,
+						       "weight_block_size %.64s is not supported "
+						       "([128, 128])",
+						       cfg_show(val));
+			}
+		} else if (!strcmp(key, "modules_to_not_convert")) {
+			if (json_object_is_type(val, json_type_null))
+				continue;
+			if (!json_object_is_type(val, json_type_array))
+				return cfg_bad(x, k, "modules_to_not_convert is not a list");
+			for (size_t i = 0; i < json_object_array_length(val); i++)
+				if (!json_object_is_type(json_object_array_get_idx(val, i),
+							 json_type_string))
+					return cfg_bad(x, k,
+						       "modules_to_not_convert[%zu] is not "
+						       "a string",
+						       i);
+		} else {
+			return cfg_bad(x, k, "key %.64s is not supported", key);
+		}
+	}
+	if (!json_object_object_get_ex(q, "quant_method", &v))
+		return cfg_bad(x, k, "quant_method is missing (fp8)");
+	if (!json_object_object_get_ex(q, "weight_block_size", &v))
+		return cfg_bad(x, k, "weight_block_size is missing ([128, 128])");
+	c->fp8 = true;
+	return 0;
+}
+
 /* RoPE: only the default kind (rope_scaling null, or rope_type "default"); the
  * transformers-5 form rope_parameters may also carry rope_theta. */
 static int cfg_rope(const struct cfg *x, struct ro_model_config *c)
@@ -221,9 +293,8 @@ static int cfg_parse(const struct cfg *x, struct ro_model_config *c)
 	if (mt && strcmp(mt, q3 ? "qwen3_moe" : "mixtral"))
 		return cfg_bad(x, "model_type", "%.64s does not match architectures %s (want %s)", mt,
 			       an, q3 ? "qwen3_moe" : "mixtral");
-	if (cfg_get(x, "quantization_config"))
-		return cfg_bad(x, "quantization_config",
-			       "quantized checkpoints are not supported (F32, BF16, F16 weights)");
+	if ((r = cfg_quant(x, c)))
+		return r;
 	/* Hugging Face's defaults for what config.json leaves out */
 	c->rope_theta = q3 ? 10000.0 : 1e6;
 	c->rms_eps = q3 ? 1e-6 : 1e-5;
@@ -386,6 +457,10 @@ static int vec(struct ro_model *m, const char *name, uint64_t n, float **ret, ch
 
 	if (r)
 		return r;
+	if (t->dtype == RO_F8E4M3)
+		return ro_errf(err, errlen, -ENOTSUP,
+			       "%s: tensor %s: F8_E4M3 is supported for linear weights only",
+			       ro_st_file(m->st, t), name);
 	v = malloc(n * sizeof(*v));
 	if (!v)
 		return -ENOMEM;
@@ -405,6 +480,33 @@ static int mat(struct ro_model *m, const char *name, uint32_t rows, uint32_t col
 		return r;
 	ret->rows = rows;
 	ret->cols = cols;
+	ret->scale = NULL;
+	ret->scale_cols = 0;
+	if (t->dtype == RO_F8E4M3) {
+		const struct ro_tensor *s;
+		const uint32_t sr = (rows + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK,
+			       sc = (cols + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK;
+		char sn[320];
+
+		if (!m->c.fp8)
+			return ro_errf(err, errlen, -EINVAL,
+				       "%s: tensor %s is F8_E4M3 but config.json has no fp8 "
+				       "quantization_config",
+				       ro_st_file(m->st, t), name);
+		(void)snprintf(sn, sizeof(sn), "%s_scale_inv", name);
+		r = tensor(m, sn, 2, sr, sc, &s, err, errlen);
+		if (r)
+			return r;
+		if (s->dtype != RO_F32)
+			return ro_errf(err, errlen, -ENOTSUP,
+				       "%s: tensor %s: weight_scale_inv must be F32",
+				       ro_st_file(m->st, s), sn);
+		ret->w = t->data;
+		ret->dtype = RO_F8E4M3;
+		ret->scale = s->data;
+		ret->scale_cols = sc;
+		return 0;
+	}
 	if (t->dtype == RO_F16) { /* no f16 kernel: widen once */
 		size_t n = (size_t)rows * cols;
 		float *w = malloc(n * sizeof(*w));
@@ -521,6 +623,9 @@ static void scan_one(void *arg, uint32_t i)
 
 			memcpy(&u, (const uint8_t *)t->data + 4 * k, 4);
 			inf_nan = (u & 0x7f800000u) == 0x7f800000u;
+		} else if (t->dtype == RO_F8E4M3) {
+			/* e4m3fn has no infinity; 0x7f and 0xff are NaN */
+			inf_nan = (((const uint8_t *)t->data)[k] & 0x7f) == 0x7f;
 		} else {
 			const uint16_t h = ((const uint16_t *)t->data)[k];
 
@@ -554,7 +659,9 @@ static int check_finite(struct ro_model *m, char *err, size_t errlen)
 	for (uint32_t i = 0; i < k && !r; i++)
 		if (sc.bad[i]) {
 			const struct ro_tensor *t = sc.t[i];
-			float v = t->dtype == RO_F32 ? 0 : ro_elem(t, sc.bad[i] - 1);
+			float v = t->dtype == RO_F32	  ? 0
+				  : t->dtype == RO_F8E4M3 ? NAN
+							  : ro_elem(t, sc.bad[i] - 1);
 
 			if (t->dtype == RO_F32)
 				memcpy(&v, (const uint8_t *)t->data + 4 * (sc.bad[i] - 1), 4);
@@ -628,9 +735,18 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 		   errlen);
 	if (r)
 		goto fail;
+	if (m->embed->dtype == RO_F8E4M3) {
+		r = ro_errf(err, errlen, -ENOTSUP,
+			    "%s: tensor model.embed_tokens.weight: F8_E4M3 is supported for linear "
+			    "weights only",
+			    ro_st_file(m->st, m->embed));
+		goto fail;
+	}
 	(void)snprintf(m->c.dtype, sizeof(m->c.dtype), "%s",
-		       m->embed->dtype == RO_F32 ? "F32" : m->embed->dtype == RO_BF16 ? "BF16"
-										      : "F16");
+		       m->c.fp8			    ? "F8_E4M3"
+		       : m->embed->dtype == RO_F32  ? "F32"
+		       : m->embed->dtype == RO_BF16 ? "BF16"
+						    : "F16");
 	m->L = calloc(m->c.layers, sizeof(*m->L));
 	if (!m->L) {
 		r = -ENOMEM;
@@ -736,4 +852,9 @@ void ro_model_sizes(const struct ro_model *m, uint64_t *ret_total, uint64_t *ret
 uint32_t ro_model_last_experts(const struct ro_model *m)
 {
 	return m->experts_run;
+}
+
+void ro_model_last_split(const struct ro_model *m, struct ro_model_split *ret)
+{
+	*ret = m->split;
 }

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 
 #include "kernels/internal.h"
@@ -15,7 +16,9 @@
 struct spec {
 	char name[128];
 	uint64_t d0, d1; /* d1 == 0: a vector */
-	int kind;	 /* 0 linear, 1 norm, 2 embedding, 3 router, 4 bias */
+	int kind;	 /* 0 linear, 1 norm, 2 embedding, 3 router, 4 bias, 5 FP8 scales */
+	enum ro_dtype dt;
+	size_t of; /* kind 5: the weight (spec index) these are weight_scale_inv of */
 	uint32_t shard;
 	uint64_t off;
 };
@@ -83,14 +86,12 @@ static float unif(uint64_t *s)
 	return (float)((double)(rng(s) >> 11) * 0x1.0p-52 - 1.0);
 }
 
-static int write_tensor(FILE *f, const struct spec *t, enum ro_dtype dt, uint64_t seed)
+/* The tensor's values as f32, seeded by the seed and its name only. */
+static void gen(const struct spec *t, uint64_t seed, float *v)
 {
 	uint64_t n = t->d0 * (t->d1 ? t->d1 : 1), s = seed;
 	double scale;
-	uint8_t buf[8192];
-	size_t used = 0, es = ro_dtype_size(dt);
 
-	/* each tensor's stream depends on the seed and its name only */
 	for (const char *p = t->name; *p; p++)
 		s = s * 131 + (unsigned char)*p;
 	switch (t->kind) {
@@ -110,30 +111,114 @@ static int write_tensor(FILE *f, const struct spec *t, enum ro_dtype dt, uint64_
 		scale = 1.7 / sqrt((double)t->d1);
 		break;
 	}
-	for (uint64_t i = 0; i < n; i++) {
-		float v = (float)(unif(&s) * scale) + (t->kind == 1 ? 1.0f : 0.0f);
+	for (uint64_t i = 0; i < n; i++)
+		v[i] = (float)(unif(&s) * scale) + (t->kind == 1 ? 1.0f : 0.0f);
+}
 
-		if (dt == RO_F32) {
-			memcpy(buf + used, &v, 4);
+/* float8_e4m3fn, rounded to nearest even, saturating at +-448 (the quantizer divides by
+ * amax / 448, so only rounding can reach past it) */
+static uint8_t f32_to_e4m3(float v)
+{
+	const uint8_t sign = signbit(v) ? 0x80 : 0;
+	float a = fabsf(v), m;
+	int e;
+
+	if (a >= 448.0f)
+		return sign | 0x7e;
+	if (a < 0x1p-6f) /* subnormal: m * 2^-9, m in 0..8 (8 is the smallest normal, 0x08) */
+		return sign | (uint8_t)rintf(a * 512.0f);
+	m = frexpf(a, &e); /* a = m * 2^e, m in [0.5, 1) */
+	e -= 1;
+	m = rintf((m * 2.0f - 1.0f) * 8.0f);
+	if (m == 8.0f) {
+		m = 0;
+		e++;
+	}
+	if (e + 7 > 15 || (e + 7 == 15 && m == 7))
+		return sign | 0x7e;
+	return sign | (uint8_t)((e + 7) << 3) | (uint8_t)m;
+}
+
+/* Per 128 x 128 block: amax / 448, the weight_scale_inv Hugging Face's FP8 checkpoints
+ * carry (the weight is q * scale); 1 for an all-zero block. */
+static void fp8_scales(const struct spec *w, const float *v, float *sc)
+{
+	const uint64_t sr = (w->d0 + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK,
+		       scn = (w->d1 + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK;
+
+	for (uint64_t i = 0; i < sr * scn; i++)
+		sc[i] = 0;
+	for (uint64_t r = 0; r < w->d0; r++)
+		for (uint64_t k = 0; k < w->d1; k++) {
+			float *s = &sc[(r / RO_FP8_BLOCK) * scn + k / RO_FP8_BLOCK];
+			float a = fabsf(v[r * w->d1 + k]);
+
+			*s = a > *s ? a : *s;
+		}
+	for (uint64_t i = 0; i < sr * scn; i++)
+		sc[i] = sc[i] > 0 ? sc[i] / 448.0f : 1.0f;
+}
+
+static int write_tensor(FILE *f, const struct spec *all, const struct spec *t, uint64_t seed)
+{
+	const struct spec *w = t->kind == 5 ? &all[t->of] : t;
+	const uint64_t n = t->d0 * (t->d1 ? t->d1 : 1), nw = w->d0 * (w->d1 ? w->d1 : 1);
+	const size_t es = ro_dtype_size(t->dt);
+	float *v = malloc(nw * sizeof(*v)), *sc = NULL;
+	uint8_t buf[8192];
+	size_t used = 0;
+	int r = 0;
+
+	if (!v)
+		return -ENOMEM;
+	gen(w, seed, v);
+	if (t->kind == 5 || t->dt == RO_F8E4M3) {
+		sc = malloc(((w->d0 + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK) *
+			    ((w->d1 + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK) * sizeof(*sc));
+		if (!sc) {
+			free(v);
+			return -ENOMEM;
+		}
+		fp8_scales(w, v, sc);
+	}
+	for (uint64_t i = 0; i < n && !r; i++) {
+		if (t->kind == 5) {
+			memcpy(buf + used, &sc[i], 4);
+		} else if (t->dt == RO_F8E4M3) {
+			const uint64_t row = i / w->d1, k = i % w->d1;
+			const uint64_t scn = (w->d1 + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK;
+
+			buf[used] =
+			    f32_to_e4m3(v[i] / sc[(row / RO_FP8_BLOCK) * scn + k / RO_FP8_BLOCK]);
+		} else if (t->dt == RO_F32) {
+			memcpy(buf + used, &v[i], 4);
 		} else {
-			uint16_t h = dt == RO_BF16 ? ro_f32_to_bf16(v) : ro_f32_to_f16(v);
+			uint16_t h = t->dt == RO_BF16 ? ro_f32_to_bf16(v[i]) : ro_f32_to_f16(v[i]);
 
 			memcpy(buf + used, &h, 2);
 		}
 		used += es;
 		if (used == sizeof(buf)) {
 			if (fwrite(buf, 1, used, f) != used)
-				return -EIO;
+				r = -EIO;
 			used = 0;
 		}
 	}
-	if (used && fwrite(buf, 1, used, f) != used)
-		return -EIO;
-	return 0;
+	if (!r && used && fwrite(buf, 1, used, f) != used)
+		r = -EIO;
+	free(v);
+	free(sc);
+	return r;
 }
 
-static int write_shard(const char *path, struct spec *t, size_t n, uint32_t shard,
-		       enum ro_dtype dt, const char *dts, uint64_t seed)
+static const char *dt_name(enum ro_dtype dt)
+{
+	return dt == RO_F32 ? "F32" : dt == RO_BF16 ? "BF16" : dt == RO_F16 ? "F16" : "F8_E4M3";
+}
+
+/* A shard's tensors in the file by element size, largest first (F32, then 16-bit, then
+ * FP8), so every tensor is aligned to its element without padding between them. */
+static int write_shard(const char *path, struct spec *t, size_t n, uint32_t shard, uint64_t seed)
 {
 	size_t hcap = 4096 + n * 200, hl = 0;
 	char *h = malloc(hcap);
@@ -145,28 +230,31 @@ static int write_shard(const char *path, struct spec *t, size_t n, uint32_t shar
 	if (!h)
 		return -ENOMEM;
 	hl += (size_t)snprintf(h + hl, hcap - hl, "{\"__metadata__\":{\"format\":\"pt\"}");
-	for (size_t i = 0; i < n; i++) {
-		uint64_t bytes;
+	for (size_t es = 4; es >= 1; es /= 2)
+		for (size_t i = 0; i < n; i++) {
+			uint64_t bytes;
 
-		if (t[i].shard != shard)
-			continue;
-		bytes = t[i].d0 * (t[i].d1 ? t[i].d1 : 1) * ro_dtype_size(dt);
-		t[i].off = off;
-		if (t[i].d1)
-			hl += (size_t)snprintf(h + hl, hcap - hl,
-					       ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%llu,%llu],"
-					       "\"data_offsets\":[%llu,%llu]}",
-					       t[i].name, dts, (unsigned long long)t[i].d0,
-					       (unsigned long long)t[i].d1, (unsigned long long)off,
-					       (unsigned long long)(off + bytes));
-		else
-			hl += (size_t)snprintf(h + hl, hcap - hl,
-					       ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%llu],"
-					       "\"data_offsets\":[%llu,%llu]}",
-					       t[i].name, dts, (unsigned long long)t[i].d0,
-					       (unsigned long long)off, (unsigned long long)(off + bytes));
-		off += bytes;
-	}
+			if (t[i].shard != shard || ro_dtype_size(t[i].dt) != es)
+				continue;
+			bytes = t[i].d0 * (t[i].d1 ? t[i].d1 : 1) * es;
+			t[i].off = off;
+			if (t[i].d1)
+				hl += (size_t)snprintf(
+				    h + hl, hcap - hl,
+				    ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%llu,%llu],"
+				    "\"data_offsets\":[%llu,%llu]}",
+				    t[i].name, dt_name(t[i].dt), (unsigned long long)t[i].d0,
+				    (unsigned long long)t[i].d1, (unsigned long long)off,
+				    (unsigned long long)(off + bytes));
+			else
+				hl += (size_t)snprintf(
+				    h + hl, hcap - hl,
+				    ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%llu],"
+				    "\"data_offsets\":[%llu,%llu]}",
+				    t[i].name, dt_name(t[i].dt), (unsigned long long)t[i].d0,
+				    (unsigned long long)off, (unsigned long long)(off + bytes));
+			off += bytes;
+		}
 	hl += (size_t)snprintf(h + hl, hcap - hl, "}");
 	while (hl % 8) /* the data starts 8-byte aligned, as the reference writer does it */
 		h[hl++] = ' ';
@@ -180,9 +268,10 @@ static int write_shard(const char *path, struct spec *t, size_t n, uint32_t shar
 	}
 	if (fwrite(le, 1, 8, f) != 8 || fwrite(h, 1, hl, f) != hl)
 		r = -EIO;
-	for (size_t i = 0; i < n && !r; i++)
-		if (t[i].shard == shard)
-			r = write_tensor(f, &t[i], dt, seed);
+	for (size_t es = 4; es >= 1 && !r; es /= 2)
+		for (size_t i = 0; i < n && !r; i++)
+			if (t[i].shard == shard && ro_dtype_size(t[i].dt) == es)
+				r = write_tensor(f, t, &t[i], seed);
 	if (fclose(f) && !r)
 		r = -EIO;
 	free(h);
@@ -196,6 +285,7 @@ int ro_make_model(const struct ro_make_model_opts *o, const char *dir, char *err
 	const uint32_t H = o->hidden, qd = o->heads * o->head_dim, kvd = o->kv_heads * o->head_dim;
 	const uint32_t dffn = o->dense_ffn ? o->dense_ffn : 4 * H;
 	enum ro_dtype dt;
+	bool fp8 = false;
 	const char *dts = o->dtype ? o->dtype : "BF16";
 	struct spec *t = NULL;
 	size_t n = 0, cap = 0;
@@ -204,14 +294,14 @@ int ro_make_model(const struct ro_make_model_opts *o, const char *dir, char *err
 	FILE *f;
 	int r = 0;
 
-	if (!strcmp(dts, "BF16"))
-		dt = RO_BF16;
+	if (!strcmp(dts, "BF16") || (fp8 = !strcasecmp(dts, "FP8") || !strcmp(dts, "F8_E4M3")))
+		dt = RO_BF16; /* FP8: the linear weights; the rest BF16 */
 	else if (!strcmp(dts, "F32"))
 		dt = RO_F32;
 	else if (!strcmp(dts, "F16"))
 		dt = RO_F16;
 	else
-		return ro_errf(err, errlen, -EINVAL, "dtype %s: want BF16, F32 or F16", dts);
+		return ro_errf(err, errlen, -EINVAL, "dtype %s: want BF16, F32, F16 or FP8", dts);
 	if (!o->layers || !H || !o->heads || !o->kv_heads || o->heads % o->kv_heads ||
 	    !o->head_dim || o->head_dim % 2 || !o->experts || !o->top_k ||
 	    o->top_k > o->experts || !o->expert_ffn || o->vocab < 2 || shards > 99 ||
@@ -262,19 +352,39 @@ int ro_make_model(const struct ro_make_model_opts *o, const char *dir, char *err
 	if (!r)
 		r = add(&t, &n, &cap, 1, H, 0, "model.norm.weight") ||
 		    add(&t, &n, &cap, 0, o->vocab, H, "lm_head.weight");
+	for (size_t i = 0, nw = n; i < nw && !r; i++) {
+		t[i].dt = dt;
+		/* FP8 as Qwen3-*-FP8 ships: the linear layers' weights, not the router, the
+		 * embedding or the LM head; each with its weight_scale_inv */
+		if (fp8 && t[i].kind == 0 && strcmp(t[i].name, "lm_head.weight")) {
+			char wn[sizeof(t[i].name)]; /* add() may move t */
+
+			memcpy(wn, t[i].name, sizeof(wn));
+			t[i].dt = RO_F8E4M3;
+			r = add(&t, &n, &cap, 5, (t[i].d0 + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK,
+				(t[i].d1 + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK, "%s_scale_inv", wn);
+			if (!r) {
+				t[n - 1].dt = RO_F32;
+				t[n - 1].of = i;
+			}
+		}
+	}
 	if (r) {
 		free(t);
 		return -ENOMEM;
 	}
 	for (size_t i = 0; i < n; i++) /* shards by position: a layer's tensors stay together */
 		t[i].shard = (uint32_t)(i * shards / n);
+	for (size_t i = 0; i < n; i++) /* a weight's scales in the weight's shard */
+		if (t[i].kind == 5)
+			t[i].shard = t[t[i].of].shard;
 	for (uint32_t s = 0; s < shards && !r; s++) {
 		if (shards == 1)
 			(void)snprintf(path, sizeof(path), "%s/model.safetensors", dir);
 		else
 			(void)snprintf(path, sizeof(path), "%s/model-%05u-of-%05u.safetensors", dir,
 				       s + 1, shards);
-		r = write_shard(path, t, n, s, dt, dts, o->seed);
+		r = write_shard(path, t, n, s, o->seed);
 		if (r)
 			(void)ro_errf(err, errlen, r, "%s: %s", path, strerror(-r));
 	}
@@ -311,6 +421,11 @@ int ro_make_model(const struct ro_make_model_opts *o, const char *dir, char *err
 				      q3 ? "qwen3_moe" : "mixtral", o->vocab, H, o->layers, o->heads,
 				      o->kv_heads, o->head_dim, o->top_k, o->rope_theta,
 				      o->tie_embeddings ? "true" : "false", dt == RO_BF16 ? "bfloat16" : dt == RO_F16 ? "float16" : "float32");
+			if (fp8)
+				(void)fprintf(f,
+					      "  \"quantization_config\": {\"quant_method\": "
+					      "\"fp8\", \"fmt\": \"e4m3\", \"activation_scheme\": "
+					      "\"dynamic\", \"weight_block_size\": [128, 128]},\n");
 			if (q3) {
 				(void)fprintf(f,
 					      "  \"num_experts\": %u,\n  \"moe_intermediate_size\": %u,\n"

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels/model_internal.h"
 
@@ -166,6 +167,36 @@ void ro_swiglu(float *g, const float *u, size_t n)
 		g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* Seconds since *t, and *t moved to now: the forward's phase timer (a few dozen calls per
+ * forward; CLOCK_MONOTONIC is a vDSO read). */
+static double lap(struct timespec *t)
+{
+	struct timespec n;
+	double d;
+
+	(void)clock_gettime(CLOCK_MONOTONIC, &n);
+	d = (double)(n.tv_sec - t->tv_sec) + (n.tv_nsec - t->tv_nsec) / 1e9;
+	*t = n;
+	return d;
+}
+
+/* Token t's expert outputs, weighted and summed in expert order, added to its residual. */
+static void combine_one(void *arg, uint32_t t)
+{
+	const struct fwd *f = arg;
+	const uint32_t H = f->m->c.hidden, K = f->m->c.top_k;
+	float *xr = f->x + (size_t)t * H;
+
+	for (uint32_t d = 0; d < H; d++) {
+		float acc = 0;
+
+		for (uint32_t j = 0; j < K; j++)
+			acc = acc +
+			      f->rw[(size_t)t * K + j] * f->moe_out[((size_t)t * K + j) * H + d];
+		xr[d] = xr[d] + acc;
+	}
+}
+
 /* ---- the batch ------------------------------------------------------------------------- */
 
 
@@ -280,6 +311,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	int32_t *ids = NULL;
 	float *rw = NULL;
 	uint32_t *out_tok = NULL;
+	struct timespec tm;
 	float *p;
 	int r = 0;
 
@@ -304,6 +336,8 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	if (!T)
 		return m->have_xch ? ro_forward_idle(m) : 0;
 	m->experts_run = 0;
+	m->split = (struct ro_model_split){0};
+	(void)clock_gettime(CLOCK_MONOTONIC, &tm);
 	for (size_t i = 0; i < count; i++) {
 		r = ro_seq_reserve(items[i].seq, items[i].seq->len + items[i].n);
 		if (r)
@@ -322,6 +356,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 	}
 	f.T = T;
 	f.avx2 = ro_kernels_avx2();
+	f.avx512 = ro_kernels_avx512() && hd % 16 == 0;
 	f.x = p;
 	f.h = f.x + (size_t)T * H;
 	f.q = f.h + (size_t)T * H;
@@ -359,6 +394,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 					out_tok[o++] = t;
 			}
 		}
+		m->split.other += lap(&tm);
 		for (uint32_t l = 0; l < c->layers; l++) {
 			const struct layer *L = &m->L[l];
 
@@ -372,7 +408,12 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				goto out;
 			ro_run_jobs(m, &J);
 			ro_pool_for(m->pool, T, ro_qk_rope_store, &f);
-			ro_pool_for(m->pool, T * c->heads, ro_attend_one, &f);
+#if defined(__x86_64__)
+			if (f.avx512)
+				ro_pool_for(m->pool, T * c->kv_heads, ro_attend_group, &f);
+			else
+#endif
+				ro_pool_for(m->pool, T * c->heads, ro_attend_one, &f);
 			/* o_proj into h, then the residual */
 			if ((r = ro_jobs_add(&J, &L->o, f.att, T, f.h, H, ro_chunk_for(m, H, T, 1))))
 				goto out;
@@ -386,6 +427,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			for (t = 0; t < T; t++)
 				ro_rmsnorm(f.x + (size_t)t * H, L->post_norm, H, c->rms_eps,
 					f.h + (size_t)t * H);
+			m->split.attention += lap(&tm);
 			if (L->dense) {
 				float *g = scratch, *u = g + (size_t)T * L->ffn,
 				      *y = u + (size_t)T * L->ffn;
@@ -402,6 +444,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				ro_run_jobs(m, &J);
 				for (size_t i = 0; i < (size_t)T * H; i++)
 					f.x[i] = f.x[i] + y[i];
+				m->split.experts += lap(&tm);
 				continue;
 			}
 			if ((r = ro_jobs_add(&J, &L->router, f.h, T, router, c->experts,
@@ -411,6 +454,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			for (t = 0; t < T; t++)
 				ro_route(c, router + (size_t)t * c->experts, ids + (size_t)t * K,
 				      rw + (size_t)t * K);
+			m->split.router += lap(&tm);
 			if (m->have_xch)
 				r = m->xch.exchange(m->xch.ctx, l, f.h, ids, rw, T, K, H, moe_out);
 			else
@@ -421,21 +465,14 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				/* the transport summed the weighted outputs: only the residual */
 				for (size_t i = 0; i < (size_t)T * H; i++)
 					f.x[i] = f.x[i] + moe_out[i];
+				m->split.experts += lap(&tm);
 				continue;
 			}
 			/* combine: the weighted outputs summed in expert order, then the residual */
-			for (t = 0; t < T; t++) {
-				float *xr = f.x + (size_t)t * H;
-
-				for (uint32_t d = 0; d < H; d++) {
-					float acc = 0;
-
-					for (uint32_t j = 0; j < K; j++)
-						acc = acc + rw[(size_t)t * K + j] *
-								moe_out[((size_t)t * K + j) * H + d];
-					xr[d] = xr[d] + acc;
-				}
-			}
+			f.rw = rw;
+			f.moe_out = moe_out;
+			ro_pool_for(m->pool, T, combine_one, &f);
+			m->split.experts += lap(&tm);
 		}
 		/* final norm and the LM head, only for the rows whose logits are wanted */
 		for (o = 0; o < n_out; o++)
@@ -470,6 +507,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				}
 			}
 		}
+		m->split.head += lap(&tm);
 		for (size_t i = 0; i < count && !r; i++)
 			items[i].seq->len += items[i].n;
 	}
@@ -522,7 +560,7 @@ uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens)
 	const struct ro_model_config *c = &m->c;
 	const uint64_t T = tokens, TK = T * c->top_k, H = c->hidden, E = c->experts;
 	const uint64_t qd = (uint64_t)c->heads * c->head_dim, kvd = ro_kv_row(m);
-	uint64_t b, fj, ej;
+	uint64_t b, fj;
 	bool moe = false;
 
 	if (!tokens)
@@ -539,13 +577,12 @@ uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens)
 	fj = fj > njobs(c->vocab) ? fj : njobs(c->vocab);
 	b += jobs_bytes(fj);
 	if (moe) {
-		/* local_experts' row pointers; ro_model_experts' scratch, counts and slots */
+		/* local_experts' row pointers; ro_model_experts' gate/up scratch, counts,
+		 * offsets, active experts and its four row-pointer arrays */
 		b += TK * sizeof(float *);
-		b += TK * (H * 2 + (uint64_t)c->expert_ffn * 2) * sizeof(float);
-		b += (E + 1) * sizeof(uint32_t) * 2 + TK * sizeof(uint32_t);
-		ej = E * njobs(c->expert_ffn) * 2;
-		ej = ej > E * njobs(H) ? ej : E * njobs(H);
-		b += jobs_bytes(ej);
+		b += TK * (uint64_t)c->expert_ffn * 2 * sizeof(float);
+		b +=
+		    (E + 1) * sizeof(uint32_t) * 2 + E * sizeof(uint32_t) + TK * 4 * sizeof(void *);
 	}
 	return b;
 }

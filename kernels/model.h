@@ -29,7 +29,9 @@ struct ro_model_config {
 	uint32_t sliding_window; /* Mixtral: attend to the last N positions; 0: all */
 	double rope_theta, rms_eps;
 	uint32_t max_pos;
-	char dtype[8]; /* of the weights: F32, BF16, F16 */
+	char dtype[8]; /* of the weights: F32, BF16, F16, or F8_E4M3 (block FP8: see fp8) */
+	bool fp8;      /* quantization_config fp8, 128x128 blocks: F8_E4M3 linear weights with
+			* an F32 weight_scale_inv each; the rest (norms, embedding) as stored */
 };
 
 struct ro_model_opts {
@@ -44,7 +46,7 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 		  char *err, size_t errlen);
 struct ro_model *ro_model_free(struct ro_model *m);
 const struct ro_model_config *ro_model_config(const struct ro_model *m);
-/* "avx2+fma" or "scalar", and the thread count in use. */
+/* "avx512+fma", "avx2+fma" or "scalar", and the thread count in use. */
 const char *ro_model_kernels(const struct ro_model *m);
 /* Whether this build was configured with CUDA (--with-cuda; today that builds the probe
  * only): for --version and rolloutd_build_info. */
@@ -55,6 +57,15 @@ void ro_model_sizes(const struct ro_model *m, uint64_t *ret_total, uint64_t *ret
 
 /* (layer, expert) pairs the last forward ran locally: the expert weights it read. */
 uint32_t ro_model_last_experts(const struct ro_model *m);
+
+/* Where the last forward's wall time went, in seconds (summed over layers): attention (the
+ * norms, q/k/v/o projections, RoPE and attention over the cache), router (its GEMM and the
+ * top-k), experts (the expert layer or the exchange, and the combine), head (the final norm
+ * and the LM head), other (embedding and set-up). */
+struct ro_model_split {
+	double attention, router, experts, head, other;
+};
+void ro_model_last_split(const struct ro_model *m, struct ro_model_split *ret);
 
 /* A sequence: its KV cache (max_len positions) and length. */
 int ro_seq_new(struct ro_model *m, uint32_t max_len, struct ro_seq **ret);
@@ -271,7 +282,7 @@ struct ro_make_model_opts {
 	uint32_t layers, hidden, heads, kv_heads, head_dim, experts, top_k, expert_ffn, vocab;
 	uint32_t dense_ffn;	/* 0: 4 * hidden */
 	uint64_t dense_layers;	/* Qwen3-MoE mlp_only_layers as bits */
-	const char *dtype;	/* "BF16" (default), "F32", "F16" */
+	const char *dtype;	/* "BF16" (default), "F32", "F16", "FP8" (block FP8, BF16 rest) */
 	uint64_t seed;
 	uint32_t shards;	/* > 1: model-0000N-of-0000M.safetensors + index */
 	double rope_theta;

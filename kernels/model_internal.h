@@ -34,6 +34,7 @@ struct ro_model {
 	struct ro_moe_exchange xch;
 	bool have_xch;
 	uint32_t experts_run; /* by the last forward */
+	struct ro_model_split split; /* of the last forward */
 	/* workspace, grown to the largest batch seen */
 	float *ws;
 	size_t ws_len;
@@ -50,7 +51,9 @@ struct ro_seq {
 /* Element i of a tensor as f32, whatever its stored dtype. */
 static inline float ro_elem(const struct ro_tensor *t, size_t i)
 {
-	return t->dtype == RO_F32    ? ((const float *)t->data)[i]
+	/* (F8E4M3 is unscaled here: the loader takes it for linear weights only) */
+	return t->dtype == RO_F8E4M3 ? ro_f8e4m3_to_f32(((const uint8_t *)t->data)[i])
+	       : t->dtype == RO_F32  ? ((const float *)t->data)[i]
 	       : t->dtype == RO_BF16 ? ro_bf16_to_f32(((const uint16_t *)t->data)[i])
 				     : ro_f16_to_f32(((const uint16_t *)t->data)[i]);
 }
@@ -89,13 +92,17 @@ struct fwd {
 	struct ro_seq **seq;
 	uint32_t *pos;
 	float *x, *h, *q, *k, *v, *att, *cs, *sn;
+	const float *rw, *moe_out; /* the routing weights and expert outputs, for the combine */
 	bool avx2;
+	bool avx512; /* attention by KV group (ro_attend_group); head_dim % 16 == 0 */
 };
 
 /* cpu/attention.c: per token, the biases, q/k norms and RoPE, stored into the cache; per
  * (token, head), attention over the cache. Both are ro_pool_for tasks over struct fwd. */
 void ro_qk_rope_store(void *arg, uint32_t t);
 void ro_attend_one(void *arg, uint32_t i);
+/* The same with AVX-512 for a (token, KV head): its query heads together. */
+void ro_attend_group(void *arg, uint32_t i);
 
 /* cpu/moe.c: routing, the local expert layer, and a rank's empty turn in an exchange. */
 void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids, float *w);

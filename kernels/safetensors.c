@@ -137,7 +137,7 @@ int ro_parse_json_object(const char *what, const char *text, size_t len, struct 
 
 size_t ro_dtype_size(enum ro_dtype t)
 {
-	return t == RO_F32 ? 4 : 2;
+	return t == RO_F32 ? 4 : t == RO_F8E4M3 ? 1 : 2;
 }
 
 float ro_f16_to_f32(uint16_t h)
@@ -190,6 +190,8 @@ static int parse_dtype(const char *s, enum ro_dtype *ret)
 		*ret = RO_BF16;
 	else if (!strcmp(s, "F16"))
 		*ret = RO_F16;
+	else if (!strcmp(s, "F8_E4M3"))
+		*ret = RO_F8E4M3;
 	else
 		return -ENOTSUP;
 	return 0;
@@ -214,9 +216,10 @@ static int add_tensor(struct ro_st_set *s, const char *file, const char *name,
 			       "%s: tensor %s: want dtype, shape and data_offsets [begin, end]",
 			       file, name);
 	if (parse_dtype(json_object_get_string(dt), &t.dtype))
-		return ro_errf(err, errlen, -ENOTSUP,
-			       "%s: tensor %s: dtype %.32s is not supported (F32, BF16, F16)", file,
-			       name, json_object_get_string(dt));
+		return ro_errf(
+		    err, errlen, -ENOTSUP,
+		    "%s: tensor %s: dtype %.32s is not supported (F32, BF16, F16, F8_E4M3)", file,
+		    name, json_object_get_string(dt));
 	if (json_object_array_length(shape) > 4)
 		return ro_errf(err, errlen, -EBADMSG, "%s: tensor %s: %zu dimensions, at most 4",
 			       file, name, json_object_array_length(shape));

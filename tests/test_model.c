@@ -335,6 +335,44 @@ Test(model, f16_and_portable_kernels_match_reference)
 	agree("q3f16", RO_ARCH_QWEN3_MOE, "F16", 1, 0, true);
 }
 
+/* Block FP8 (Hugging Face's F8_E4M3 + weight_scale_inv per 128 x 128): a model wide enough
+ * for several blocks per matrix and a partial one (FFN 160), a dense layer, two shards;
+ * the reference dequantizes the same files and runs in float64. */
+static void make_fp8(const char *sub, enum ro_arch arch)
+{
+	struct ro_make_model_opts o;
+	char err[256];
+
+	ro_make_model_defaults(&o);
+	o.arch = arch;
+	o.dtype = "FP8";
+	o.shards = 2;
+	o.layers = 3;
+	o.hidden = 256;
+	o.heads = 4;
+	o.kv_heads = 2;
+	o.head_dim = 64;
+	o.expert_ffn = 160;
+	o.dense_layers = arch == RO_ARCH_QWEN3_MOE ? 1ULL << 1 : 0;
+	o.dense_ffn = 288;
+	o.seed = 7;
+	cr_assert_eq(ro_make_model(&o, path(sub), err, sizeof(err)), 0, "%s", err);
+}
+
+Test(model, qwen3_fp8_matches_reference)
+{
+	make_fp8("q3fp8", RO_ARCH_QWEN3_MOE);
+	cr_expect_str_eq(ro_model_config(load("q3fp8", false))->dtype, "F8_E4M3");
+	agree_dir("q3fp8", "FP8", false);
+	agree_dir("q3fp8", "FP8", true);
+}
+
+Test(model, mixtral_fp8_matches_reference)
+{
+	make_fp8("mxfp8", RO_ARCH_MIXTRAL);
+	agree_dir("mxfp8", "FP8", false);
+}
+
 /* ---- invariance -------------------------------------------------------------------------- */
 
 static void run_chunks(struct ro_model *m, struct ro_seq *s, const int32_t *p, uint32_t n,
@@ -346,6 +384,51 @@ static void run_chunks(struct ro_model *m, struct ro_seq *s, const int32_t *p, u
 
 		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
 	}
+}
+
+/* FP8 weights through the same kernels: chunking and batch-mates change no bit. */
+Test(model, fp8_is_bitwise_invariant)
+{
+	struct ro_model *m;
+	struct ro_seq *s[7];
+	int32_t p[40], tok[7];
+	float *a, *b, *rows;
+	struct ro_fwd_item it[7];
+	uint32_t V;
+
+	make_fp8("fp8inv", RO_ARCH_QWEN3_MOE);
+	m = load("fp8inv", false);
+	V = ro_model_config(m)->vocab;
+	a = malloc(V * sizeof(float));
+	b = malloc(V * sizeof(float));
+	rows = malloc(7 * (size_t)V * sizeof(float));
+	for (int i = 0; i < 40; i++)
+		p[i] = (i * 37 + 5) % (int32_t)V;
+	cr_assert_eq(ro_seq_new(m, 64, &s[0]), 0);
+	run_chunks(m, s[0], p, 40, 40, a);
+	ro_seq_truncate(s[0], 0);
+	run_chunks(m, s[0], p, 40, 7, b);
+	cr_expect_eq(memcmp(a, b, V * sizeof(float)), 0, "chunks of 7");
+	/* one decode step alone, then beside six others */
+	tok[0] = 3;
+	it[0] = (struct ro_fwd_item){s[0], &tok[0], 1, a, false};
+	cr_assert_eq(ro_model_forward(m, it, 1), 0);
+	ro_seq_truncate(s[0], 40);
+	for (int i = 1; i < 7; i++) {
+		cr_assert_eq(ro_seq_new(m, 64, &s[i]), 0);
+		run_chunks(m, s[i], p + i, 20 + i, 5, rows);
+		tok[i] = i * 11;
+	}
+	for (int i = 0; i < 7; i++)
+		it[i] = (struct ro_fwd_item){s[i], &tok[i], 1, rows + (size_t)i * V, false};
+	cr_assert_eq(ro_model_forward(m, it, 7), 0);
+	cr_expect_eq(memcmp(a, rows, V * sizeof(float)), 0, "decode in a batch of 7");
+	for (int i = 0; i < 7; i++)
+		ro_seq_free(s[i]);
+	ro_model_free(m);
+	free(a);
+	free(b);
+	free(rows);
 }
 
 Test(model, prefill_chunking_is_bitwise_invariant)
@@ -1096,10 +1179,10 @@ Test(model, bad_model_files)
 	expect_refused("lie5", -EBADMSG, "shape");
 	/* unsupported dtype */
 	make("dtype", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
-	corrupt_header("dtype",
-		       "{\"x\": {\"dtype\": \"F8_E4M3\", \"shape\": [4], \"data_offsets\": [0, 4]}}",
-		       4);
-	expect_refused("dtype", -ENOTSUP, "F8_E4M3");
+	corrupt_header(
+	    "dtype", "{\"x\": {\"dtype\": \"F8_E5M2\", \"shape\": [4], \"data_offsets\": [0, 4]}}",
+	    4);
+	expect_refused("dtype", -ENOTSUP, "F8_E5M2");
 	/* a tensor twice */
 	make("dup", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
 	corrupt_header("dup",
@@ -1545,6 +1628,95 @@ Test(hostile, what_the_runtime_does_not_implement_is_refused)
 	make("ropedef", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
 	set_config("ropedef", "rope_scaling", "{\"rope_type\": \"default\"}");
 	ro_model_free(load("ropedef", false));
+}
+
+/* In a file of sub, the first occurrence of `from` replaced by `to` (same length), or the
+ * last byte set to `last` when from is NULL. */
+static void patch_file(const char *sub, const char *file, const char *from, const char *to,
+		       int last)
+{
+	char p[256];
+	FILE *f;
+	long n;
+	char *b;
+
+	(void)snprintf(p, sizeof(p), "%s/%s", path(sub), file);
+	f = fopen(p, "r+b");
+	cr_assert_not_null(f);
+	cr_assert_eq(fseek(f, 0, SEEK_END), 0);
+	n = ftell(f);
+	b = malloc((size_t)n);
+	rewind(f);
+	cr_assert_eq(fread(b, 1, (size_t)n, f), (size_t)n);
+	if (from) {
+		char *at = memmem(b, (size_t)n, from, strlen(from));
+
+		cr_assert_not_null(at, "%s not in %s", from, p);
+		memcpy(at, to, strlen(to));
+	} else {
+		b[n - 1] = (char)last;
+	}
+	rewind(f);
+	cr_assert_eq(fwrite(b, 1, (size_t)n, f), (size_t)n);
+	cr_assert_eq(fclose(f), 0);
+	free(b);
+}
+
+Test(hostile, fp8_fields_are_checked)
+{
+	static const struct {
+		const char *value, *mention;
+	} cfgs[] = {
+	    {"{\"quant_method\": \"fp8\", \"weight_block_size\": [64, 64]}",
+	     "weight_block_size [64,64] is not supported"},
+	    {"{\"quant_method\": \"fp8\", \"weight_block_size\": [128]}", "weight_block_size"},
+	    {"{\"quant_method\": \"fp8\"}", "weight_block_size is missing"},
+	    {"{\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128], "
+	     "\"activation_scheme\": \"static\"}",
+	     "activation_scheme \"static\""},
+	    {"{\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128], \"fmt\": \"e5m2\"}",
+	     "fmt \"e5m2\""},
+	    {"{\"quant_method\": \"awq\", \"weight_block_size\": [128, 128]}", "quant_method"},
+	    {"{\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128], \"x\": 1}",
+	     "key x is not supported"},
+	    {"[1]", "quantization_config: [1] is not an object"},
+	    {NULL, "is F8_E4M3 but config.json has no fp8 quantization_config"},
+	};
+	char sub[32];
+	struct ro_make_model_opts o;
+	char err[256];
+
+	for (size_t i = 0; i < sizeof(cfgs) / sizeof(cfgs[0]); i++) {
+		(void)snprintf(sub, sizeof(sub), "fp8c%zu", i);
+		ro_make_model_defaults(&o);
+		o.dtype = "FP8";
+		cr_assert_eq(ro_make_model(&o, path(sub), err, sizeof(err)), 0, "%s", err);
+		set_config(sub, "quantization_config", cfgs[i].value);
+		expect_refused(sub, -EINVAL, cfgs[i].mention);
+	}
+	ro_make_model_defaults(&o);
+	o.dtype = "FP8";
+	/* a weight without its scales (the renamed scales are then a tensor nobody reads) */
+	cr_assert_eq(ro_make_model(&o, path("fp8s"), err, sizeof(err)), 0, "%s", err);
+	patch_file("fp8s", "model.safetensors", "q_proj.weight_scale_inv",
+		   "q_proj.weight_scale_inx", 0);
+	expect_refused("fp8s", -ENOENT, "q_proj.weight_scale_inv is missing");
+	/* scales of another dtype */
+	cr_assert_eq(ro_make_model(&o, path("fp8d"), err, sizeof(err)), 0, "%s", err);
+	patch_file("fp8d", "model.safetensors",
+		   "k_proj.weight_scale_inv\":{\"dtype\":\"F32\",\"shape\":[1,1],",
+		   "k_proj.weight_scale_inv\":{\"dtype\":\"I32\",\"shape\":[1,1],", 0);
+	expect_refused("fp8d", -ENOTSUP, "I32");
+	/* scales of the wrong shape (the file's sizes then disagree too: either refusal) */
+	cr_assert_eq(ro_make_model(&o, path("fp8h"), err, sizeof(err)), 0, "%s", err);
+	patch_file("fp8h", "model.safetensors",
+		   "v_proj.weight_scale_inv\":{\"dtype\":\"F32\",\"shape\":[1,1],",
+		   "v_proj.weight_scale_inv\":{\"dtype\":\"F32\",\"shape\":[2,1],", 0);
+	expect_refused("fp8h", -EBADMSG, "v_proj.weight_scale_inv");
+	/* a NaN code (0x7f) in a weight: the file's last byte is the last FP8 weight's */
+	cr_assert_eq(ro_make_model(&o, path("fp8n"), err, sizeof(err)), 0, "%s", err);
+	patch_file("fp8n", "model.safetensors", NULL, NULL, 0x7f);
+	expect_refused("fp8n", -EINVAL, "is NaN");
 }
 
 Test(hostile, tensors_the_config_does_not_describe_are_refused)

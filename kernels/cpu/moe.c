@@ -84,96 +84,125 @@ void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids
 		}
 }
 
-/* Run n (row, expert) pairs of layer l: y[i] = expert[experts[i]](x[i]). Each
- * expert's rows are gathered, gate/up run for all experts at once, then down, then the
- * results scattered back. A row's result does not depend on what else is in the batch, so
- * the expert-parallel path (pairs received from other ranks) equals the local one. Uses
- * its own scratch: a transport calls it from inside ro_model_forward. */
+/* Rows of W per task: gate and up in panels of PANEL_GU rows (of each), down in panels of
+ * PANEL_D output rows. An expert's weights are streamed once per step for all of its rows,
+ * and threads take different (expert, panel) pairs, so they read different weights. */
+#define PANEL_GU 64
+#define PANEL_D 128
+
+struct moe_task {
+	const struct layer *L;
+	uint32_t F, H;
+	const uint32_t *off; /* expert e's rows are [off[e], off[e + 1]) of the grouped order */
+	const uint32_t *act; /* the experts with rows, in index order */
+	uint32_t n_gu, n_d;  /* panels per expert */
+	const float **xp;    /* grouped row -> its input */
+	float **gp, **up;    /* grouped row -> its gate and up rows (scratch) */
+	float **yp;	     /* grouped row -> its output */
+};
+
+/* gate and up of one (expert, panel), then SwiGLU on that panel: the activation is
+ * elementwise, so the panel needs nothing from any other task. */
+static void gate_up_task(void *arg, uint32_t i)
+{
+	const struct moe_task *k = arg;
+	const uint32_t e = k->act[i / k->n_gu], p = i % k->n_gu;
+	const uint32_t r0 = p * PANEL_GU, r1 = r0 + PANEL_GU < k->F ? r0 + PANEL_GU : k->F;
+	const uint32_t a = k->off[e], n = k->off[e + 1] - a;
+
+	ro_gemm_ptrs(&k->L->gate[e], k->xp + a, n, k->gp + a, r0, r1);
+	ro_gemm_ptrs(&k->L->up[e], k->xp + a, n, k->up + a, r0, r1);
+	for (uint32_t j = 0; j < n; j++)
+		ro_swiglu(k->gp[a + j] + r0, k->up[a + j] + r0, r1 - r0);
+}
+
+static void down_task(void *arg, uint32_t i)
+{
+	const struct moe_task *k = arg;
+	const uint32_t e = k->act[i / k->n_d], p = i % k->n_d;
+	const uint32_t r0 = p * PANEL_D, r1 = r0 + PANEL_D < k->H ? r0 + PANEL_D : k->H;
+	const uint32_t a = k->off[e], n = k->off[e + 1] - a;
+
+	ro_gemm_ptrs(&k->L->down[e], (const float *const *)k->gp + a, n, k->yp + a, r0, r1);
+}
+
+/* Run n (row, expert) pairs of layer l: y[i] = expert[experts[i]](x[i]), as a grouped GEMM.
+ * The pairs are grouped by expert (pointers only: rows are read and written in place), then
+ * gate/up/SwiGLU run as (expert, panel) tasks, then down the same way. A row's result does
+ * not depend on what else is in the batch (ro_gemm_ptrs sums every output element in one
+ * order whatever rows share its block), so the expert-parallel path (pairs received from
+ * other ranks) equals the local one. Uses its own scratch: a transport calls it from inside
+ * ro_model_forward. */
 int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 		     const int32_t *experts, size_t n, float *y)
 {
 	const struct ro_model_config *c = &m->c;
-	const struct layer *L;
 	const uint32_t E = c->experts, H = c->hidden;
-	uint32_t F, *cnt, *off, *slot;
-	float *xe, *g, *u, *ye;
-	struct jobs J = {0};
+	struct moe_task k = {0};
+	uint32_t F, *cnt = NULL, *off = NULL, *act = NULL, n_act = 0;
+	void **ptrs = NULL;
 	int r = 0;
 
 	if (l >= c->layers || m->L[l].dense)
 		return -EINVAL;
-	if (n > UINT32_MAX) /* rows are counted in 32 bits */
+	if (n > UINT32_MAX / 4) /* rows and (expert, panel) tasks are counted in 32 bits */
 		return -E2BIG;
 	for (size_t i = 0; i < n; i++)
 		if (experts[i] < 0 || (uint32_t)experts[i] >= E)
 			return -EINVAL;
 	if (!n)
 		return 0;
-	L = &m->L[l];
-	F = L->ffn;
-	if (n * (H * 2 + F * 2) > m->ews_len) {
+	k.L = &m->L[l];
+	F = k.F = k.L->ffn;
+	k.H = H;
+	if (n * F * 2 > m->ews_len) {
 		free(m->ews); /* scratch: nothing to keep, and no old and new block at once */
 		m->ews_len = 0;
-		m->ews = malloc(n * (H * 2 + F * 2) * sizeof(float));
+		m->ews = malloc(n * F * 2 * sizeof(float));
 		if (!m->ews)
 			return -ENOMEM;
-		m->ews_len = n * (H * 2 + F * 2);
+		m->ews_len = n * F * 2;
 	}
-	xe = m->ews;
-	g = xe + n * H;
-	u = g + n * F;
-	ye = u + n * F;
 	cnt = calloc(E + 1, sizeof(*cnt));
 	off = calloc(E + 1, sizeof(*off));
-	slot = malloc(n * sizeof(*slot)); /* gathered row -> pair */
-	if (!cnt || !off || !slot) {
+	act = malloc(E * sizeof(*act));
+	ptrs = malloc(n * 4 * sizeof(*ptrs));
+	if (!cnt || !off || !act || !ptrs) {
 		r = -ENOMEM;
 		goto out;
 	}
+	k.xp = (const float **)ptrs;
+	k.gp = (float **)ptrs + n;
+	k.up = (float **)ptrs + n * 2;
+	k.yp = (float **)ptrs + n * 3;
 	for (size_t i = 0; i < n; i++)
 		cnt[experts[i]]++;
-	for (uint32_t e = 0; e < E; e++)
+	for (uint32_t e = 0; e < E; e++) {
 		off[e + 1] = off[e] + cnt[e];
+		if (cnt[e])
+			act[n_act++] = e;
+	}
 	memset(cnt, 0, (E + 1) * sizeof(*cnt));
 	for (size_t i = 0; i < n; i++) {
 		uint32_t e = (uint32_t)experts[i], row = off[e] + cnt[e]++;
 
-		slot[row] = (uint32_t)i;
-		memcpy(xe + (size_t)row * H, x[i], H * sizeof(float));
+		k.xp[row] = x[i];
+		k.yp[row] = y + i * H;
+		k.gp[row] = m->ews + (size_t)row * F;
+		k.up[row] = m->ews + (n + row) * F;
 	}
-	for (uint32_t e = 0; e < E && !r; e++) {
-		uint32_t k = off[e + 1] - off[e];
-
-		if (!k)
-			continue;
-		m->experts_run++;
-		r = ro_jobs_add(&J, &L->gate[e], xe + (size_t)off[e] * H, k, g + (size_t)off[e] * F, F,
-			     ro_chunk_for(m, F, k, 2 * c->top_k));
-		if (!r)
-			r = ro_jobs_add(&J, &L->up[e], xe + (size_t)off[e] * H, k,
-				     u + (size_t)off[e] * F, F, ro_chunk_for(m, F, k, 2 * c->top_k));
-	}
-	if (r)
-		goto out;
-	ro_run_jobs(m, &J);
-	ro_swiglu(g, u, n * F);
-	for (uint32_t e = 0; e < E && !r; e++) {
-		uint32_t k = off[e + 1] - off[e];
-
-		if (k)
-			r = ro_jobs_add(&J, &L->down[e], g + (size_t)off[e] * F, k,
-				     ye + (size_t)off[e] * H, H, ro_chunk_for(m, H, k, c->top_k));
-	}
-	if (r)
-		goto out;
-	ro_run_jobs(m, &J);
-	for (size_t row = 0; row < n; row++)
-		memcpy(y + (size_t)slot[row] * H, ye + row * H, H * sizeof(float));
+	m->experts_run += n_act;
+	k.off = off;
+	k.act = act;
+	k.n_gu = (F + PANEL_GU - 1) / PANEL_GU;
+	k.n_d = (H + PANEL_D - 1) / PANEL_D;
+	ro_pool_for(m->pool, n_act * k.n_gu, gate_up_task, &k);
+	ro_pool_for(m->pool, n_act * k.n_d, down_task, &k);
 out:
-	free(J.j);
 	free(cnt);
 	free(off);
-	free(slot);
+	free(act);
+	free(ptrs);
 	return r;
 }
 

@@ -27,7 +27,17 @@ static inline void ro_bench_model(struct ro_make_model_opts *o, uint64_t seed)
 
 /* dir holds the bench model made with seed (written now unless its config.json is there);
  * tool names the program in its messages. 0 or -1. */
+static inline int ro_bench_model_ensure_dtype(const char *tool, const char *dir, uint64_t seed,
+					      const char *dtype);
+
 static inline int ro_bench_model_ensure(const char *tool, const char *dir, uint64_t seed)
+{
+	return ro_bench_model_ensure_dtype(tool, dir, seed, "BF16");
+}
+
+/* The same with the weights in dtype ("BF16", "FP8", ...). */
+static inline int ro_bench_model_ensure_dtype(const char *tool, const char *dir, uint64_t seed,
+					      const char *dtype)
 {
 	struct ro_make_model_opts o;
 	char p[4096], err[512];
@@ -37,6 +47,7 @@ static inline int ro_bench_model_ensure(const char *tool, const char *dir, uint6
 	if (stat(p, &st) == 0)
 		return 0;
 	ro_bench_model(&o, seed);
+	o.dtype = dtype;
 	(void)fprintf(stderr, "%s: writing the model to %s ...\n", tool, dir);
 	if (ro_make_model(&o, dir, err, sizeof(err))) {
 		(void)fprintf(stderr, "%s: %s\n", tool, err);

@@ -37,10 +37,45 @@ def load_safetensors(path):
             a = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
         elif d["dtype"] == "F16":
             a = np.frombuffer(raw, dtype="<f2")
+        elif d["dtype"] == "F8_E4M3":
+            a = E4M3[np.frombuffer(raw, dtype="u1")]
         else:
             raise SystemExit("unsupported dtype " + d["dtype"])
         out[name] = a.astype(np.float64).reshape(d["shape"])
     return out
+
+
+def e4m3_table():
+    # float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities,
+    # 0x7f / 0xff NaN; subnormals m * 2^-9
+    t = np.zeros(256, dtype=np.float32)
+    for b in range(256):
+        e, m = (b >> 3) & 15, b & 7
+        v = m * 2.0 ** -9 if e == 0 else (1 + m / 8.0) * 2.0 ** (e - 7)
+        if b & 0x7f == 0x7f:
+            v = float("nan")
+        t[b] = -v if b & 0x80 else v
+    return t
+
+
+E4M3 = e4m3_table()
+
+
+def dequant_fp8(cfg, w):
+    # Hugging Face / DeepSeek block FP8: weight (F8_E4M3) times weight_scale_inv (F32, one
+    # per 128x128 block), in float32 as the runtime does it, then float64
+    q = cfg.get("quantization_config")
+    if not q:
+        return w
+    if q.get("quant_method") != "fp8" or list(q.get("weight_block_size", [])) != [128, 128]:
+        raise SystemExit("unsupported quantization_config")
+    for name in [n for n in w if n.endswith("_scale_inv")]:
+        wn = name[: -len("_scale_inv")]
+        s = w.pop(name).astype(np.float32)
+        full = np.repeat(np.repeat(s, 128, axis=0), 128, axis=1)
+        full = full[: w[wn].shape[0], : w[wn].shape[1]]
+        w[wn] = (w[wn].astype(np.float32) * full).astype(np.float64)
+    return w
 
 
 def load_model(d):
@@ -54,7 +89,7 @@ def load_model(d):
         w = load_safetensors(os.path.join(d, "model.safetensors"))
     with open(os.path.join(d, "config.json")) as f:
         cfg = json.load(f)
-    return cfg, w
+    return cfg, dequant_fp8(cfg, w)
 
 
 def rms_norm(x, weight, eps):
