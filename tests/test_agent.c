@@ -304,13 +304,23 @@ Test(agent, sigkill_loses_at_most_one_checkpoint_interval)
 	      (const char *const[]){"--imds", "false", "--checkpoint-tokens", "8", "--lease-ms",
 				    "2000", NULL},
 	      NULL);
-	/* sample the live bound a few times, then kill mid-run */
-	for (int i = 0; i < 20; i++) {
+	/* sample the live bound a few times, then kill mid-run: once a leased unit has a
+	 * checkpoint (an event: a slow sanitized start may take seconds to get there) */
+	for (int i = 0, mid = 0; i < 2400 && !(mid && i >= 20); i++) {
 		const char *st = ro_test_agent_status(&a, "status\n");
 		double u = ro_test_json_field(st, "uncheckpointed_max");
 
 		if (u > worst)
 			worst = u;
+		for (int k = 0; k < 4 && !mid; k++) {
+			redisReply *r = redisCommand(c, "HMGET ro:{%s}:unit:u-%d state ckpt", q, k);
+
+			mid = r && r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
+			      r->element[0]->type == REDIS_REPLY_STRING &&
+			      !strcmp(r->element[0]->str, "leased") &&
+			      r->element[1]->type == REDIS_REPLY_STRING;
+			freeReplyObject(r);
+		}
 		ro_test_msleep(50);
 	}
 	cr_expect_leq(worst, 8, "a sequence never runs more than checkpoint-tokens ahead of its "

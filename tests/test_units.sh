@@ -75,6 +75,9 @@ leaks=
 while IFS= read -r f; do
 	g=$f
 	if command -v strip >/dev/null && [ "$(head -c 4 "$f" | tail -c 3)" = ELF ]; then
+		# a sanitized build keeps its source file names for its reports, by design: what
+		# ships is the normal build, which this same test checks
+		[ "${RO_SANITIZED:-0}" = 1 ] && continue
 		strip -o "$d/stripped" "$f" && g=$d/stripped
 	fi
 	if grep -aqF -e "$build/" -e "$src/imds/" -e "$src/agent/" -e "$src/units/" "$g"; then
@@ -165,7 +168,11 @@ fi
 # powers off. nspawn runs in a private mount namespace with its own /run, so the host's
 # /run is left as it was.
 nspawn_why=
-if [ "$(id -u)" != 0 ]; then
+if [ "${RO_SANITIZED:-0}" = 1 ]; then
+	# ASan's runtime (its leak check at exit, its shadow mappings) under the unit's syscall
+	# filter and W^X is not what ships: the normal build's run of this test boots it
+	nspawn_why="a sanitized build (the normal build's run of this test does it)"
+elif [ "$(id -u)" != 0 ]; then
 	nspawn_why="not root"
 elif ! command -v systemd-nspawn >/dev/null || ! command -v unshare >/dev/null; then
 	nspawn_why="systemd-nspawn not installed (Debian package systemd-container)"
