@@ -134,6 +134,9 @@ struct ro_agent {
 	double swap_median_ms, swap_max_ms;
 	int64_t swap_at_ms, swap_first_token_ms;
 	double prefill_tokens_per_s;
+	/* the KV blocks all sequences hold, and the positions in them (each sample's whole
+	 * length, a shared prompt once per sample): after each step */
+	uint64_t kv_bytes, kv_tokens;
 	int64_t engine_beat_ms; /* the end of its last step (monotonic) */
 	bool engine_working;
 	uint64_t steps, prefill_tokens;

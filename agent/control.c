@@ -57,6 +57,7 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 	double tps, step, pps, swap_median, swap_max;
 	int64_t engine_age, swap_at, swap_first;
 	bool swap_watch;
+	uint64_t kv_bytes, kv_tokens;
 	size_t n;
 
 	pthread_mutex_lock(&a->mu);
@@ -74,6 +75,8 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 	swap_watch = a->swap_watch != 0;
 	swap_at = a->swap_at_ms;
 	swap_first = a->swap_first_token_ms;
+	kv_bytes = a->kv_bytes;
+	kv_tokens = a->kv_tokens;
 	pthread_mutex_unlock(&a->mu);
 	(void)snprintf(buf, len,
 		       "{\"state\":\"%s\",\"ready\":%s,\"worker\":\"%s\",\"units\":%u,\"in_flight\":%u,"
@@ -113,6 +116,11 @@ void ro_status_json(struct ro_agent *a, char *buf, size_t len)
 		       (unsigned long long)a->policy_bytes_done,
 		       (unsigned long long)a->policy_bytes_total, swap_median, swap_max,
 		       swap_watch ? "true" : "false", (long long)swap_at, (long long)swap_first);
+	n = strlen(buf);
+	(void)snprintf(buf + n, len - n,
+		       ",\"kv_bytes\":%llu,\"kv_positions\":%llu,\"kv_bytes_per_position\":%.0f",
+		       (unsigned long long)kv_bytes, (unsigned long long)kv_tokens,
+		       kv_tokens ? (double)kv_bytes / (double)kv_tokens : 0.0);
 	if (a->ep) {
 		struct ro_ep_stats st;
 

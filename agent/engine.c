@@ -96,15 +96,15 @@ static void ep_round(struct ro_agent *a)
 uint64_t ro_engine_unit_bytes(const struct ro_agent *a, const struct ro_unit *u, uint32_t owed)
 {
 	uint64_t len = (uint64_t)u->prompt_len + u->max_new_tokens + 1;
-
-	uint64_t seq = ro_model_seq_bytes(a->m, len > UINT32_MAX ? UINT32_MAX : (uint32_t)len),
+	uint64_t caches = ro_model_forks_bytes(a->m, u->prompt_len,
+					       len > UINT32_MAX ? UINT32_MAX : (uint32_t)len, owed),
 		 fwd = ro_model_forward_bytes(a->m, a->cfg.prefill_chunk + a->cfg.max_inflight),
-		 caches, total;
+		 total;
 
-	/* the prompt's cache, one per sample owed, and the step's scratch for a chunk;
-	 * saturating: a checkpoint's sizes must not wrap admission control into a yes */
-	if (__builtin_mul_overflow(seq, (uint64_t)owed + 1, &caches) ||
-	    __builtin_add_overflow(caches, fwd, &total) ||
+	/* the prompt's cache once (its samples share its blocks), each sample's own blocks,
+	 * and the step's scratch for a chunk; saturating: a checkpoint's sizes must not wrap
+	 * admission control into a yes */
+	if (__builtin_add_overflow(caches, fwd, &total) ||
 	    __builtin_add_overflow(total, ((uint64_t)owed + 1) * a->vocab * sizeof(float), &total))
 		return UINT64_MAX;
 	return total;
@@ -455,6 +455,33 @@ static uint32_t commit(struct ro_agent *a, struct step *st)
 	return decoded;
 }
 
+/* Under mu: the KV cache's bytes (every model's blocks: a swap's old weights may still
+ * hold some) and the positions the held sequences cover, for status and metrics. */
+static void kv_note(struct ro_agent *a)
+{
+	struct ro_model *ms[2] = {a->m, a->old_m};
+	uint64_t bytes = 0, tokens = 0;
+
+	for (int i = 0; i < 2; i++)
+		if (ms[i] && (i == 0 || ms[i] != ms[0])) {
+			struct ro_kv_stats k;
+
+			ro_model_kv_stats(ms[i], &k);
+			bytes += k.bytes;
+		}
+	for (const struct unit_rt *u = a->units; u; u = u->next) {
+		if (u->released)
+			continue;
+		if (u->base)
+			tokens += ro_seq_len(u->base);
+		for (uint32_t i = 0; i < u->n_s; i++)
+			if (u->s[i] && u->s[i]->kv)
+				tokens += ro_seq_len(u->s[i]->kv);
+	}
+	a->kv_bytes = bytes;
+	a->kv_tokens = tokens;
+}
+
 /* Under mu: a step's time for the swap's figures. After a swap, the watch runs until no
  * sequence is rebuilding its cache any more, and eight steps beyond. */
 static void note_step(struct ro_agent *a, const struct step *st, double ms)
@@ -562,6 +589,7 @@ static void *engine_main(void *arg)
 			for (struct unit_rt *u = a->units; u; u = u->next)
 				released |= u->released;
 			a->engine_beat_ms = ro_now_ms();
+			kv_note(a); /* what ended since the last step let its blocks go */
 			if (released)
 				wake_loop(a);
 			(void)clock_gettime(CLOCK_REALTIME, &ts);
@@ -586,6 +614,7 @@ static void *engine_main(void *arg)
 		prefilled = a->prefill_tokens;
 		decoded = commit(a, &st);
 		prefilled = a->prefill_tokens - prefilled;
+		kv_note(a);
 		if (st.n_items && !r) {
 			double ms = (double)(ro_now_ms() - t0);
 

@@ -76,7 +76,7 @@ void ro_metrics_write(struct ro_agent *a)
 	char tmp[4200], wl[512], ql[512], gl[256];
 	uint32_t active, held = 0;
 	double tps;
-	uint64_t tokens;
+	uint64_t tokens, kv_bytes, kv_tokens;
 	FILE *f;
 
 	if (!path || !*path)
@@ -87,6 +87,8 @@ void ro_metrics_write(struct ro_agent *a)
 		held += u->cp != CP_GONE;
 	tps = a->tokens_per_s;
 	tokens = a->n.tokens;
+	kv_bytes = a->kv_bytes;
+	kv_tokens = a->kv_tokens;
 	pthread_mutex_unlock(&a->mu);
 	f = open_tmp(path, tmp, sizeof(tmp));
 	if (!f) {
@@ -138,6 +140,13 @@ void ro_metrics_write(struct ro_agent *a)
 	  "%.3f", tps);
 	G("inflight_sequences", "Sequences being decoded.", "%u", active);
 	G("inflight_units", "Units held.", "%u", held);
+	G("kv_cache_bytes",
+	  "Bytes of KV cache blocks held (a prompt's blocks once for its samples).", "%llu",
+	  (unsigned long long)kv_bytes);
+	G("kv_cache_positions",
+	  "Positions the held sequences cover (each sample's prompt and tokens); "
+	  "kv_cache_bytes / kv_cache_positions is the KV bytes per in-flight token.",
+	  "%llu", (unsigned long long)kv_tokens);
 	G("backpressure", "1 while the trainer's lag stops claims.", "%d", a->backpressure ? 1 : 0);
 	G("trainer_lag", "Trainer lag on the samples stream.", "%lld", (long long)a->lag);
 	G("redis_up", "1 while the Redis connection is established.", "%d",

@@ -48,50 +48,109 @@ int ro_seq_new(struct ro_model *m, uint32_t max_len, struct ro_seq **ret)
 	return 0;
 }
 
+/* ---- KV blocks ---- */
+
+#define BLK_HEAD 64 /* the reference count, and the data 64-byte aligned after it */
+
+static size_t blk_bytes(const struct ro_model *m)
+{
+	return (size_t)m->c.layers * 2 * RO_KV_BLOCK * ro_kv_row(m) * sizeof(float);
+}
+
+static uint32_t *blk_ref(float *b)
+{
+	return (uint32_t *)(void *)((char *)b - BLK_HEAD);
+}
+
+static float *blk_new(struct ro_model *m)
+{
+	char *p = aligned_alloc(BLK_HEAD, BLK_HEAD + blk_bytes(m));
+
+	if (!p)
+		return NULL;
+	*(uint32_t *)(void *)p = 1;
+	__atomic_add_fetch(&m->kv_blocks, 1, __ATOMIC_RELAXED);
+	return (float *)(void *)(p + BLK_HEAD);
+}
+
+static void blk_put(struct ro_model *m, float *b)
+{
+	if (b && __atomic_sub_fetch(blk_ref(b), 1, __ATOMIC_ACQ_REL) == 0) {
+		free((char *)b - BLK_HEAD);
+		__atomic_sub_fetch(&m->kv_blocks, 1, __ATOMIC_RELAXED);
+	}
+}
+
+/* Drop blocks from index nb on. */
+static void blk_drop_from(struct ro_seq *s, uint32_t nb)
+{
+	while (s->n_blk > nb)
+		blk_put(s->m, s->blk[--s->n_blk]);
+}
+
 struct ro_seq *ro_seq_free(struct ro_seq *s)
 {
 	if (!s)
 		return NULL;
-	free(s->k);
-	free(s->v);
+	blk_drop_from(s, 0);
+	free(s->blk);
 	free(s);
 	return NULL;
 }
 
+/* Before positions [len, need) are stored: the table covers them, and every block they land
+ * in is this sequence's own. A shared block is copied (its positions below len: the rest is
+ * not this sequence's yet), or replaced by a fresh one when none of it is below len. */
 int ro_seq_reserve(struct ro_seq *s, uint32_t need)
 {
-	const struct ro_model *m = s->m;
-	size_t row = ro_kv_row(m), L = m->c.layers;
-	uint32_t cap = s->cap ? s->cap : 64;
-	float *k, *v;
+	struct ro_model *m = s->m;
+	const size_t row = ro_kv_row(m);
+	const uint32_t nb = (uint32_t)(((uint64_t)need + RO_KV_BLOCK - 1) / RO_KV_BLOCK);
 
-	if (need <= s->cap)
-		return 0;
 	if (need > s->max)
 		return -ENOSPC;
-	while (cap < need)
-		cap *= 2;
-	if (cap > s->max)
-		cap = s->max;
-	k = malloc(L * cap * row * sizeof(float));
-	v = malloc(L * cap * row * sizeof(float));
-	if (!k || !v) {
-		free(k);
-		free(v);
-		return -ENOMEM;
+	if (need <= s->len)
+		return 0;
+	if (nb > s->cap_blk) {
+		uint32_t cap = s->cap_blk ? s->cap_blk : 4;
+		float **t;
+
+		while (cap < nb)
+			cap *= 2;
+		t = realloc(s->blk, cap * sizeof(*t));
+		if (!t)
+			return -ENOMEM;
+		s->blk = t;
+		s->cap_blk = cap;
 	}
-	for (size_t l = 0; l < L && s->len; l++) {
-		memcpy(k + l * cap * row, s->k + l * s->cap * row, s->len * row * sizeof(float));
-		memcpy(v + l * cap * row, s->v + l * s->cap * row, s->len * row * sizeof(float));
+	for (uint32_t b = s->len / RO_KV_BLOCK; b < s->n_blk && b < nb; b++) {
+		const uint32_t keep = s->len > b * RO_KV_BLOCK ? s->len - b * RO_KV_BLOCK : 0;
+		float *o = s->blk[b], *n;
+
+		if (__atomic_load_n(blk_ref(o), __ATOMIC_ACQUIRE) == 1)
+			continue;
+		n = blk_new(m);
+		if (!n)
+			return -ENOMEM;
+		for (uint32_t l = 0; l < m->c.layers * 2 && keep; l++)
+			memcpy(n + (size_t)l * RO_KV_BLOCK * row, o + (size_t)l * RO_KV_BLOCK * row,
+			       (keep < RO_KV_BLOCK ? keep : RO_KV_BLOCK) * row * sizeof(float));
+		if (keep)
+			__atomic_add_fetch(&m->kv_cow, 1, __ATOMIC_RELAXED);
+		s->blk[b] = n;
+		blk_put(m, o);
 	}
-	free(s->k);
-	free(s->v);
-	s->k = k;
-	s->v = v;
-	s->cap = cap;
+	while (s->n_blk < nb) {
+		float *n = blk_new(m);
+
+		if (!n)
+			return -ENOMEM;
+		s->blk[s->n_blk++] = n;
+	}
 	return 0;
 }
 
+/* The fork shares src's blocks: nothing is copied until one of them writes. */
 int ro_seq_fork(const struct ro_seq *src, struct ro_seq **ret)
 {
 	struct ro_seq *s;
@@ -99,18 +158,18 @@ int ro_seq_fork(const struct ro_seq *src, struct ro_seq **ret)
 
 	if (r)
 		return r;
-	r = ro_seq_reserve(s, src->len ? src->len : 1);
-	if (r) {
-		ro_seq_free(s);
-		return r;
-	}
-	for (size_t l = 0; l < src->m->c.layers && src->len; l++) {
-		size_t row = ro_kv_row(src->m);
-
-		memcpy(s->k + l * s->cap * row, src->k + l * src->cap * row,
-		       src->len * row * sizeof(float));
-		memcpy(s->v + l * s->cap * row, src->v + l * src->cap * row,
-		       src->len * row * sizeof(float));
+	if (src->n_blk) {
+		s->blk = malloc(src->n_blk * sizeof(*s->blk));
+		if (!s->blk) {
+			ro_seq_free(s);
+			return -ENOMEM;
+		}
+		s->cap_blk = src->n_blk;
+		for (uint32_t b = 0; b < src->n_blk; b++) {
+			__atomic_add_fetch(blk_ref(src->blk[b]), 1, __ATOMIC_RELAXED);
+			s->blk[b] = src->blk[b];
+		}
+		s->n_blk = src->n_blk;
 	}
 	s->len = src->len;
 	*ret = s;
@@ -129,8 +188,31 @@ uint32_t ro_seq_max(const struct ro_seq *s)
 
 void ro_seq_truncate(struct ro_seq *s, uint32_t len)
 {
-	if (len < s->len)
+	if (len < s->len) {
 		s->len = len;
+		blk_drop_from(s, (uint32_t)(((uint64_t)len + RO_KV_BLOCK - 1) / RO_KV_BLOCK));
+	}
+}
+
+uint64_t ro_seq_kv_bytes(const struct ro_seq *s, uint64_t *ret_shared)
+{
+	uint64_t shared = 0;
+
+	for (uint32_t b = 0; b < s->n_blk; b++)
+		if (__atomic_load_n(blk_ref(s->blk[b]), __ATOMIC_RELAXED) > 1)
+			shared++;
+	if (ret_shared)
+		*ret_shared = shared * blk_bytes(s->m);
+	return (uint64_t)s->n_blk * blk_bytes(s->m);
+}
+
+void ro_model_kv_stats(const struct ro_model *m, struct ro_kv_stats *ret)
+{
+	ret->block_positions = RO_KV_BLOCK;
+	ret->block_bytes = blk_bytes(m);
+	ret->blocks = __atomic_load_n(&m->kv_blocks, __ATOMIC_RELAXED);
+	ret->bytes = ret->blocks * ret->block_bytes;
+	ret->copied_on_write = __atomic_load_n(&m->kv_cow, __ATOMIC_RELAXED);
 }
 
 /* ---- per-token pieces -------------------------------------------------------------------- */
@@ -523,18 +605,39 @@ out:
 
 /* ---- memory estimates ------------------------------------------------------------------- */
 
-/* A sequence's cache grows by doubling from 64 positions up to max_len; while it grows the
- * old and the new cache are both held. The largest old one below max_len is the peak's
- * other half. */
+/* A table of nb blocks: its room doubles from 4 */
+static uint64_t table_bytes(uint64_t nb)
+{
+	return (nb < 4 ? 4 : 2 * nb) * sizeof(float *);
+}
+
+/* A sequence grows a block at a time (no copy of what it holds): at max_len it holds
+ * ceil(max_len / RO_KV_BLOCK) blocks and its table. */
 uint64_t ro_model_seq_bytes(const struct ro_model *m, uint32_t max_len)
 {
 	const uint64_t max = max_len ? max_len : m->c.max_pos;
-	const uint64_t pos = 2ULL * m->c.layers * ro_kv_row(m) * sizeof(float); /* K and V */
-	uint64_t prev = 0;
+	const uint64_t nb = (max + RO_KV_BLOCK - 1) / RO_KV_BLOCK;
 
-	for (uint64_t cap = 64; cap < max; cap *= 2)
-		prev = cap;
-	return sizeof(struct ro_seq) + pos * (max + prev);
+	return sizeof(struct ro_seq) + nb * (BLK_HEAD + blk_bytes(m)) + table_bytes(nb);
+}
+
+/* A prompt of prompt_len positions prefilled once, then forked n ways, each growing to
+ * max_len: the prompt's blocks (held by all) plus each fork's own: the blocks past the
+ * prompt's full ones (the partly filled last one is copied by each fork that writes). */
+uint64_t ro_model_forks_bytes(const struct ro_model *m, uint32_t prompt_len, uint32_t max_len,
+			      uint32_t n)
+{
+	const uint64_t max = max_len ? max_len : m->c.max_pos, b = BLK_HEAD + blk_bytes(m);
+	const uint64_t nb = (max + RO_KV_BLOCK - 1) / RO_KV_BLOCK;
+	const uint64_t pb = ((uint64_t)prompt_len + RO_KV_BLOCK - 1) / RO_KV_BLOCK,
+		       full = prompt_len / RO_KV_BLOCK;
+	const uint64_t own = nb > full ? nb - full : 0,
+		       per = sizeof(struct ro_seq) + table_bytes(nb);
+
+	/* saturating: callers compare against what the machine has */
+	if (own && n > (UINT64_MAX / 2) / (own * b + per))
+		return UINT64_MAX;
+	return pb * b + per + (uint64_t)n * (own * b + per);
 }
 
 /* A job array of a phase that adds n jobs: its capacity and, while realloc moves it, the

@@ -67,10 +67,14 @@ struct ro_model_split {
 };
 void ro_model_last_split(const struct ro_model *m, struct ro_model_split *ret);
 
-/* A sequence: its KV cache (max_len positions) and length. */
+/* A sequence: its KV cache (up to max_len positions) and length. The cache is paged: blocks
+ * of 64 positions, taken as the sequence grows. Free a model's sequences before the model. */
 int ro_seq_new(struct ro_model *m, uint32_t max_len, struct ro_seq **ret);
 struct ro_seq *ro_seq_free(struct ro_seq *s);
-/* A copy of src's cache (the n samples of a unit share one prompt prefill). */
+/* A sequence with src's cache (the n samples of a unit share one prompt prefill): it shares
+ * src's blocks, and a shared block is copied only when one of them writes into it (the
+ * partly filled last block of the prompt, at the first decoded token). Sequences that
+ * share blocks may be used from different threads, but one sequence from one at a time. */
 int ro_seq_fork(const struct ro_seq *src, struct ro_seq **ret);
 uint32_t ro_seq_len(const struct ro_seq *s);
 uint32_t ro_seq_max(const struct ro_seq *s);
@@ -78,14 +82,29 @@ uint32_t ro_seq_max(const struct ro_seq *s);
 void ro_seq_truncate(struct ro_seq *s, uint32_t len);
 
 /* Memory for admission control, in bytes. ro_model_seq_bytes: the most a sequence made by
- * ro_seq_new(m, max_len) holds at once (its K and V cache, grown to max_len, and the moment
- * it grows, when the old and the new cache are both held). ro_model_forward_bytes: the
+ * ro_seq_new(m, max_len) holds at once (its K and V blocks, grown to max_len, and its
+ * table; growing copies nothing). ro_model_forward_bytes: the
  * most one ro_model_forward with `tokens` tokens in all allocates at once, its logits rows
  * included (not the sequences' caches, not the caller's logits). The model keeps the
  * largest workspace a forward needed until it is freed, so that much stays held after such
  * a call. Without an expert-parallel transport; with one, a rank also runs the (token,
  * expert) pairs other ranks send it, and the transport has its own buffers. */
 uint64_t ro_model_seq_bytes(const struct ro_model *m, uint32_t max_len);
+/* The most a prompt's sequence of prompt_len positions and n forks of it growing to max_len
+ * hold at once: the prompt's blocks once, and each fork's own blocks past them. */
+uint64_t ro_model_forks_bytes(const struct ro_model *m, uint32_t prompt_len, uint32_t max_len,
+			      uint32_t n);
+
+/* What a sequence's cache holds: bytes of its blocks, and of them those shared with
+ * another sequence (*ret_shared, may be NULL). */
+uint64_t ro_seq_kv_bytes(const struct ro_seq *s, uint64_t *ret_shared);
+/* The KV blocks all of a model's sequences hold now (each shared block once). */
+struct ro_kv_stats {
+	uint32_t block_positions;
+	uint64_t block_bytes, blocks, bytes;
+	uint64_t copied_on_write; /* shared blocks copied because a sequence wrote (ever) */
+};
+void ro_model_kv_stats(const struct ro_model *m, struct ro_kv_stats *ret);
 uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens);
 
 /* One entry of a batch: n tokens appended to seq. logits (vocab floats) receives the

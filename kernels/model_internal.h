@@ -40,13 +40,32 @@ struct ro_model {
 	size_t ws_len;
 	float *ews; /* ro_model_experts scratch (called from inside a forward) */
 	size_t ews_len;
+	uint64_t kv_blocks; /* KV blocks held by this model's sequences (atomic) */
+	uint64_t kv_cow;    /* blocks copied on write (atomic) */
 };
+
+/* The KV cache in blocks of RO_KV_BLOCK positions, as vLLM pages it: a block holds
+ * [layers][K, V][RO_KV_BLOCK][kv_heads * head_dim] floats, 64 bytes after its reference
+ * count. A sequence's table lists its blocks by position / RO_KV_BLOCK; ro_seq_fork shares
+ * every block (the n samples of a unit hold one copy of the prompt's cache), and a block
+ * is copied the first time a sequence that shares it writes into it (ro_seq_reserve,
+ * before a forward: the forward's tasks only store). Blocks are taken as positions come. */
+#define RO_KV_BLOCK 64
 
 struct ro_seq {
 	struct ro_model *m;
-	uint32_t len, cap, max;
-	float *k, *v; /* [layers][cap][kv_heads * head_dim] */
+	uint32_t len, max;
+	uint32_t n_blk, cap_blk; /* blocks held, the table's room */
+	float **blk;
 };
+
+static inline float *ro_kv_at(const struct ro_seq *s, uint32_t layer, uint32_t kv, uint32_t pos)
+{
+	const size_t row = (size_t)s->m->c.kv_heads * s->m->c.head_dim;
+
+	return s->blk[pos / RO_KV_BLOCK] +
+	       (((size_t)layer * 2 + kv) * RO_KV_BLOCK + pos % RO_KV_BLOCK) * row;
+}
 
 /* Element i of a tensor as f32, whatever its stored dtype. */
 static inline float ro_elem(const struct ro_tensor *t, size_t i)

@@ -1026,6 +1026,59 @@ Test(agent, long_prefills_keep_their_leases, .timeout = 240)
 	redisFree(c);
 }
 
+/* Paged KV in the daemon: a unit's n samples hold its prompt's cache once. Status reports
+ * the KV bytes held and the positions they cover; while the samples decode, what is held
+ * is at most the prompt once, each sample's own tokens and one block of slack each (a
+ * copy per sample would hold the prompt n times), and nothing once the unit is done. */
+Test(agent, samples_share_their_prompt_cache, .timeout = 240)
+{
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	const unsigned P = 640, N = 4;
+	struct ro_make_model_opts o;
+	double pos_bytes, bytes = 0, positions = 0;
+	char q[64], *js;
+	struct ro_test_agent a;
+
+	ro_test_agent_model(&o);
+	pos_bytes = 2.0 * o.layers * o.kv_heads * o.head_dim * sizeof(float);
+	ro_test_name("kvshare", q, sizeof(q));
+	js = unit_json("u-0", P, N, ro_test_scaled(2000), 7);
+	enqueue_json(q, js);
+	free(js);
+	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	for (int i = 0; i < 800 && ro_test_agent_field(&a, "in_flight") < N; i++)
+		ro_test_msleep(25);
+	for (int i = 0; i < 400 && positions <= (double)P * N; i++) {
+		/* (one status: the two figures are one step's snapshot) */
+		const char *st = ro_test_agent_status(&a, "status\n");
+
+		bytes = ro_test_json_field(st, "kv_bytes");
+		positions = ro_test_json_field(st, "kv_positions");
+		cr_assert(bytes >= 0 && positions >= 0, "status has kv_bytes and kv_positions: %s",
+			  st);
+		if (positions <= (double)P * N)
+			ro_test_msleep(25);
+	}
+	cr_assert_gt(positions, (double)P * N, "the samples decode (%.0f positions)", positions);
+	cr_expect_gt(bytes, 0);
+	cr_expect_leq(bytes / pos_bytes, P + (positions - (double)P * N) + N * 64.0,
+		      "%.0f positions' worth of KV held for %.0f positions of %u samples of a "
+		      "%u-token prompt: the prompt is not shared",
+		      bytes / pos_bytes, positions, N, P);
+	if (!wait_done(c, q, 1, 180000))
+		ro_test_agent_dump_log(&a);
+	cr_assert_eq(done_count(c, q), 1);
+	for (int i = 0; i < 400 && ro_test_agent_field(&a, "kv_bytes") > 0; i++)
+		ro_test_msleep(25);
+	cr_expect_eq(ro_test_agent_field(&a, "kv_bytes"), 0,
+		     "a finished unit's blocks are freed: %s",
+		     ro_test_agent_status(&a, "status\n"));
+	(void)ro_test_verify_exactly_once(c, q, 1, N);
+	ro_test_agent_term(&a);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
+	redisFree(c);
+}
+
 /* SIGTERM with a 4 s grace and a 2 s margin while Redis is stopped (or refusing
  * connections): the agent exits within the 6 s, its units are reaped with their
  * checkpoints, and every unit still completes exactly once. */

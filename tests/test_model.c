@@ -37,6 +37,7 @@
 extern void *__libc_malloc(size_t n);
 extern void *__libc_calloc(size_t n, size_t size);
 extern void *__libc_realloc(void *p, size_t n);
+extern void *__libc_memalign(size_t align, size_t n);
 extern void __libc_free(void *p);
 
 #define NSLOT (1u << 16)
@@ -110,6 +111,14 @@ void *realloc(void *old, size_t n)
 
 	count_del(old);
 	p = __libc_realloc(old, n);
+	count_add(p, n);
+	return p;
+}
+
+void *aligned_alloc(size_t align, size_t n)
+{
+	void *p = __libc_memalign(align, n);
+
 	count_add(p, n);
 	return p;
 }
@@ -657,6 +666,129 @@ static float *prefill_rows(struct ro_model *m, const int32_t *p, uint32_t n, uin
 	}
 	ro_seq_free(s);
 	return rows;
+}
+
+/* The logits rows of the concatenation a[na] + b[nb], prefilled in chunks of 37. */
+static float *rows_of(struct ro_model *m, const int32_t *a, uint32_t na, const int32_t *b,
+		      uint32_t nb)
+{
+	int32_t *all = malloc((na + nb + 1) * sizeof(*all));
+	float *rows;
+
+	if (na)
+		memcpy(all, a, na * sizeof(*all));
+	if (nb)
+		memcpy(all + na, b, nb * sizeof(*all));
+	rows = prefill_rows(m, all, na + nb, 37);
+	free(all);
+	return rows;
+}
+
+/* Paged KV: forks hold the prompt's blocks once, a shared block is copied only when a fork
+ * writes into it, and what each fork computes is bitwise what a sequence of its own would. */
+Test(model, paged_kv_forks_share_blocks_and_copy_on_write)
+{
+	enum { P = 130, N = 4, D = 80 };
+	struct ro_model *m;
+	struct ro_seq *b, *f[N], *g;
+	struct ro_kv_stats st;
+	int32_t *prompt, *tok[N], *q;
+	float *l[N], *want[N];
+	uint64_t bytes, shared;
+	uint32_t V;
+
+	make("paged", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	m = load("paged", false);
+	V = ro_model_config(m)->vocab;
+	prompt = prompt_of(P, V, 9);
+	cr_assert_eq(ro_seq_new(m, 400, &b), 0);
+	for (uint32_t i = 0; i < P; i += 50) {
+		struct ro_fwd_item it = {b, prompt + i, i + 50 < P ? 50 : P - i, NULL, false};
+
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+	}
+	ro_model_kv_stats(m, &st);
+	cr_expect_eq(st.block_positions, 64);
+	cr_expect_eq(st.blocks, 3, "130 positions: 3 blocks, not %llu",
+		     (unsigned long long)st.blocks);
+	for (int i = 0; i < N; i++) {
+		cr_assert_eq(ro_seq_fork(b, &f[i]), 0);
+		tok[i] = prompt_of(D, V, 20 + (uint32_t)i);
+		l[i] = malloc(V * sizeof(float));
+		want[i] = rows_of(m, prompt, P, tok[i], D);
+	}
+	ro_model_kv_stats(m, &st);
+	cr_expect_eq(st.blocks, 3, "forks copy nothing: %llu blocks",
+		     (unsigned long long)st.blocks);
+	bytes = ro_seq_kv_bytes(f[1], &shared);
+	cr_expect_eq(bytes, 3 * st.block_bytes);
+	cr_expect_eq(shared, bytes, "every block of a fork is shared");
+	b = ro_seq_free(b);
+	/* decode the forks together, each its own tokens */
+	for (uint32_t j = 0; j < D; j++) {
+		struct ro_fwd_item it[N];
+
+		for (int i = 0; i < N; i++)
+			it[i] = (struct ro_fwd_item){f[i], &tok[i][j], 1, l[i], false};
+		cr_assert_eq(ro_model_forward(m, it, N), 0);
+		for (int i = 0; i < N; i++)
+			cr_expect_eq(memcmp(l[i], want[i] + (size_t)(P + j) * V, V * sizeof(float)),
+				     0, "fork %d, token %u: logits differ from its own sequence's",
+				     i, j);
+		if (j == 0) {
+			/* the prompt's partly filled block: copied by all but the last holder */
+			ro_model_kv_stats(m, &st);
+			cr_expect_eq(st.blocks, 2 + N, "after one token: %llu blocks",
+				     (unsigned long long)st.blocks);
+			cr_expect_eq(st.copied_on_write, N - 1);
+		}
+	}
+	ro_model_kv_stats(m, &st);
+	cr_expect_eq(st.blocks, 2 + 2 * N, "210 positions each, 2 shared: %llu blocks",
+		     (unsigned long long)st.blocks);
+	/* a fork cut back into a shared block and grown again copies the kept part only */
+	cr_assert_eq(ro_seq_fork(f[3], &g), 0);
+	ro_seq_truncate(g, 100);
+	cr_expect_eq(ro_seq_len(g), 100);
+	q = prompt_of(20, V, 77);
+	{
+		float *w = rows_of(m, prompt, 100, q, 20), *lg = malloc((size_t)20 * V * 4);
+		struct ro_fwd_item it = {g, q, 20, lg, true};
+
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+		cr_expect_eq(memcmp(lg, w + (size_t)100 * V, (size_t)20 * V * sizeof(float)), 0,
+			     "a truncated fork grown again differs from its own sequence");
+		free(w);
+		free(lg);
+	}
+	/* the others still see their own caches */
+	for (int i = 0; i < N; i++) {
+		int32_t *all = malloc((P + D + 1) * sizeof(*all));
+		struct ro_fwd_item it = {f[i], &all[P + D], 1, l[i], false};
+		float *r;
+
+		memcpy(all, prompt, P * sizeof(*all));
+		memcpy(all + P, tok[i], D * sizeof(*all));
+		all[P + D] = 5;
+		r = rows_of(m, all, P + D + 1, NULL, 0);
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+		cr_expect_eq(memcmp(l[i], r + (size_t)(P + D) * V, V * sizeof(float)), 0,
+			     "fork %d after another fork wrote its shared block", i);
+		free(r);
+		free(all);
+	}
+	g = ro_seq_free(g);
+	for (int i = 0; i < N; i++) {
+		ro_seq_free(f[i]);
+		free(tok[i]);
+		free(l[i]);
+		free(want[i]);
+	}
+	ro_model_kv_stats(m, &st);
+	cr_expect_eq(st.blocks, 0, "every block freed: %llu left", (unsigned long long)st.blocks);
+	free(prompt);
+	free(q);
+	ro_model_free(m);
 }
 
 /* A prompt of several attention tiles, against the reference at every position. */

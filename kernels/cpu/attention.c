@@ -24,10 +24,52 @@ static float dotf(const float *a, const float *b, uint32_t n)
 	return s;
 }
 
-/* Keys per attention tile. Tiles are counted from position 0 of the sequence, so the tiles
- * of a query (and with them every rounding of its running softmax) follow from its own
- * position alone, never from the chunk or the batch it arrived in. */
-#define ATT_TILE 64
+/* Keys per attention tile: one KV block. Tiles are the cache's blocks (positions
+ * [64 b, 64 b + 64) clipped to the keys a query sees), so the tiles of a query (and with
+ * them every rounding of its running softmax) follow from its own position alone, never
+ * from the chunk or the batch it arrived in, and a tile's keys are contiguous. */
+#define ATT_TILE RO_KV_BLOCK
+
+/* The keys one query sees: positions [lo, hi) of a sequence's cache, one KV head of one
+ * layer. */
+struct kv_span {
+	const struct ro_seq *s;
+	uint32_t layer, lo, hi, row;
+	size_t off; /* the KV head's first element in a row */
+};
+
+static inline uint32_t tile_end(const struct kv_span *kv, uint32_t p)
+{
+	const uint32_t e = (p / RO_KV_BLOCK + 1) * RO_KV_BLOCK;
+
+	return e < kv->hi ? e : kv->hi;
+}
+
+static inline const float *kv_k(const struct kv_span *kv, uint32_t p)
+{
+	return ro_kv_at(kv->s, kv->layer, 0, p) + kv->off;
+}
+
+static inline const float *kv_v(const struct kv_span *kv, uint32_t p)
+{
+	return ro_kv_at(kv->s, kv->layer, 1, p) + kv->off;
+}
+
+/* Token t's keys at this layer for KV head kvh: every position up to its own, or with a
+ * sliding_window W, positions p - W + 1 .. p (Hugging Face's mask). */
+static struct kv_span span_of(const struct fwd *f, uint32_t t, uint32_t kvh)
+{
+	const struct ro_model_config *c = &f->m->c;
+	struct kv_span kv = {.s = f->seq[t],
+			     .layer = f->layer,
+			     .hi = f->pos[t] + 1,
+			     .row = c->kv_heads * c->head_dim,
+			     .off = (size_t)kvh * c->head_dim};
+
+	if (c->sliding_window && kv.hi > c->sliding_window)
+		kv.lo = kv.hi - c->sliding_window;
+	return kv;
+}
 
 /* One query row against keys [0, n) of its sequence, flash-attention style: keys in tiles
  * of ATT_TILE positions, a running max and sum, and the output accumulated in out (rescaled
@@ -38,19 +80,21 @@ static float dotf(const float *a, const float *b, uint32_t n)
  *
  * Each output element takes its tile's terms in key order; the loops run over elements
  * first or keys first as suits the vector width, which changes no rounding. */
-static void attend_portable(const float *q, const float *K, const float *V, uint32_t row,
-			    uint32_t n, uint32_t hd, float scale, float *out)
+static void attend_portable(const float *q, const struct kv_span *kv, uint32_t hd, float scale,
+			    float *out)
 {
 	float sc[ATT_TILE], mx = -INFINITY, sum = 0;
+	const uint32_t row = kv->row;
 
 	for (uint32_t d = 0; d < hd; d++)
 		out[d] = 0;
-	for (uint32_t p0 = 0; p0 < n; p0 += ATT_TILE) {
-		const uint32_t w = n - p0 < ATT_TILE ? n - p0 : ATT_TILE;
+	for (uint32_t p0 = kv->lo; p0 < kv->hi; p0 = tile_end(kv, p0)) {
+		const uint32_t w = tile_end(kv, p0) - p0;
+		const float *K = kv_k(kv, p0), *V = kv_v(kv, p0);
 		float tmx = mx;
 
 		for (uint32_t j = 0; j < w; j++) {
-			sc[j] = dotf(q, K + (size_t)(p0 + j) * row, hd) * scale;
+			sc[j] = dotf(q, K + (size_t)j * row, hd) * scale;
 			if (sc[j] > tmx)
 				tmx = sc[j];
 		}
@@ -68,7 +112,7 @@ static void attend_portable(const float *q, const float *K, const float *V, uint
 			sum = sum + sc[j];
 		}
 		for (uint32_t j = 0; j < w; j++) {
-			const float *vr = V + (size_t)(p0 + j) * row;
+			const float *vr = V + (size_t)j * row;
 
 			for (uint32_t d = 0; d < hd; d++)
 				out[d] = out[d] + sc[j] * vr[d];
@@ -93,20 +137,21 @@ static inline AVX2 float hsum8(__m256 v)
 /* attend_portable with 8-wide vectors, bitwise the same: a multiply then an add for every
  * lane where the portable code has a * b + c (no FMA, -ffp-contract=off), the dot product's
  * eight accumulators as one register, the output eight elements at a time. */
-static AVX2 void attend_avx2(const float *q, const float *K, const float *V, uint32_t row,
-			     uint32_t n, uint32_t hd, float scale, float *out)
+static AVX2 void attend_avx2(const float *q, const struct kv_span *kv, uint32_t hd, float scale,
+			     float *out)
 {
-	const uint32_t h8 = hd & ~7u;
+	const uint32_t h8 = hd & ~7u, row = kv->row;
 	float sc[ATT_TILE], mx = -INFINITY, sum = 0;
 
 	for (uint32_t d = 0; d < hd; d++)
 		out[d] = 0;
-	for (uint32_t p0 = 0; p0 < n; p0 += ATT_TILE) {
-		const uint32_t w = n - p0 < ATT_TILE ? n - p0 : ATT_TILE;
+	for (uint32_t p0 = kv->lo; p0 < kv->hi; p0 = tile_end(kv, p0)) {
+		const uint32_t w = tile_end(kv, p0) - p0;
+		const float *K = kv_k(kv, p0), *V = kv_v(kv, p0);
 		float tmx = mx;
 
 		for (uint32_t j = 0; j < w; j++) {
-			const float *kr = K + (size_t)(p0 + j) * row;
+			const float *kr = K + (size_t)j * row;
 			__m256 acc = _mm256_setzero_ps();
 			float s;
 
@@ -133,7 +178,7 @@ static AVX2 void attend_avx2(const float *q, const float *K, const float *V, uin
 			sum = sum + sc[j];
 		}
 		for (uint32_t d = 0; d < h8; d += 8) {
-			const float *vr = V + (size_t)p0 * row + d;
+			const float *vr = V + d;
 			__m256 o = _mm256_loadu_ps(out + d);
 
 			for (uint32_t j = 0; j < w; j++, vr += row)
@@ -143,7 +188,7 @@ static AVX2 void attend_avx2(const float *q, const float *K, const float *V, uin
 		}
 		for (uint32_t d = h8; d < hd; d++)
 			for (uint32_t j = 0; j < w; j++)
-				out[d] = out[d] + sc[j] * V[(size_t)(p0 + j) * row + d];
+				out[d] = out[d] + sc[j] * V[(size_t)j * row + d];
 	}
 	for (uint32_t d = 0; d < hd; d++)
 		out[d] = out[d] / sum;
@@ -190,12 +235,12 @@ static inline AVX512 float hsum16(__m512 v)
  * tree for each tile's sum. The heads go through each K/V tile together, so it is read
  * once from memory for all of them; every query's arithmetic is its own and the same
  * whatever the batch or chunk (its tiles follow from its position alone). */
-static AVX512 void attend_group512(const float *q, size_t qstride, const float *K, const float *V,
-				   uint32_t row, uint32_t n, uint32_t hd, float scale, float *out,
-				   size_t ostride, uint32_t G)
+static AVX512 void attend_group512(const float *q, size_t qstride, const struct kv_span *kv,
+				   uint32_t hd, float scale, float *out, size_t ostride, uint32_t G)
 {
 	float sc[GQ][ATT_TILE] __attribute__((aligned(64)));
 	float mx[GQ], sum[GQ];
+	const uint32_t row = kv->row;
 
 	for (uint32_t g = 0; g < G; g++) {
 		mx[g] = -INFINITY;
@@ -203,11 +248,12 @@ static AVX512 void attend_group512(const float *q, size_t qstride, const float *
 		for (uint32_t d = 0; d < hd; d++)
 			out[g * ostride + d] = 0;
 	}
-	for (uint32_t p0 = 0; p0 < n; p0 += ATT_TILE) {
-		const uint32_t w = n - p0 < ATT_TILE ? n - p0 : ATT_TILE;
+	for (uint32_t p0 = kv->lo; p0 < kv->hi; p0 = tile_end(kv, p0)) {
+		const uint32_t w = tile_end(kv, p0) - p0;
+		const float *K = kv_k(kv, p0), *V = kv_v(kv, p0);
 
 		for (uint32_t j = 0; j < w; j++) {
-			const float *kr = K + (size_t)(p0 + j) * row;
+			const float *kr = K + (size_t)j * row;
 
 			for (uint32_t g = 0; g < G; g++) {
 				const float *qg = q + g * qstride;
@@ -256,7 +302,7 @@ static AVX512 void attend_group512(const float *q, size_t qstride, const float *
 			float *o = out + g * ostride;
 
 			for (uint32_t d = 0; d < hd; d += 16) {
-				const float *vr = V + (size_t)p0 * row + d;
+				const float *vr = V + d;
 				__m512 acc = _mm512_loadu_ps(o + d);
 
 				for (uint32_t j = 0; j < w; j++, vr += row)
@@ -277,24 +323,16 @@ void ro_attend_group(void *arg, uint32_t i)
 	struct fwd *f = arg;
 	const struct ro_model_config *c = &f->m->c;
 	const uint32_t hd = c->head_dim, t = i / c->kv_heads, kvh = i % c->kv_heads;
-	const uint32_t G = c->heads / c->kv_heads, row = c->kv_heads * hd;
-	const struct ro_seq *s = f->seq[t];
-	const float *K = s->k + (size_t)f->layer * s->cap * row + (size_t)kvh * hd;
-	const float *V = s->v + (size_t)f->layer * s->cap * row + (size_t)kvh * hd;
+	const uint32_t G = c->heads / c->kv_heads;
+	const struct kv_span kv = span_of(f, t, kvh);
 	const float scale = (float)(1.0 / sqrt((double)hd));
-	uint32_t n = f->pos[t] + 1, p0 = 0;
 
-	if (c->sliding_window && n > c->sliding_window)
-		p0 = n - c->sliding_window;
-	K += (size_t)p0 * row;
-	V += (size_t)p0 * row;
-	n -= p0;
 	for (uint32_t g0 = 0; g0 < G; g0 += GQ) {
 		const uint32_t hh = kvh * G + g0;
 
-		attend_group512(f->q + (size_t)t * c->heads * hd + (size_t)hh * hd, hd, K, V, row,
-				n, hd, scale, f->att + (size_t)t * c->heads * hd + (size_t)hh * hd,
-				hd, G - g0 < GQ ? G - g0 : GQ);
+		attend_group512(f->q + (size_t)t * c->heads * hd + (size_t)hh * hd, hd, &kv, hd,
+				scale, f->att + (size_t)t * c->heads * hd + (size_t)hh * hd, hd,
+				G - g0 < GQ ? G - g0 : GQ);
 	}
 }
 #endif
@@ -304,28 +342,18 @@ void ro_attend_one(void *arg, uint32_t i)
 	struct fwd *f = arg;
 	const struct ro_model_config *c = &f->m->c;
 	const uint32_t hd = c->head_dim, t = i / c->heads, hh = i % c->heads;
-	const uint32_t kvh = hh / (c->heads / c->kv_heads), row = c->kv_heads * hd;
-	const struct ro_seq *s = f->seq[t];
+	const struct kv_span kv = span_of(f, t, hh / (c->heads / c->kv_heads));
 	const float *q = f->q + (size_t)t * c->heads * hd + (size_t)hh * hd;
-	const float *K = s->k + (size_t)f->layer * s->cap * row + (size_t)kvh * hd;
-	const float *V = s->v + (size_t)f->layer * s->cap * row + (size_t)kvh * hd;
 	float *out = f->att + (size_t)t * c->heads * hd + (size_t)hh * hd;
 	const float scale = (float)(1.0 / sqrt((double)hd));
-	uint32_t n = f->pos[t] + 1, p0 = 0;
 
-	/* sliding_window W: position p sees p - W + 1 .. p (Hugging Face's mask) */
-	if (c->sliding_window && n > c->sliding_window)
-		p0 = n - c->sliding_window;
-	K += (size_t)p0 * row;
-	V += (size_t)p0 * row;
-	n -= p0;
 #if defined(__x86_64__)
 	if (f->avx2) {
-		attend_avx2(q, K, V, row, n, hd, scale, out);
+		attend_avx2(q, &kv, hd, scale, out);
 		return;
 	}
 #endif
-	attend_portable(q, K, V, row, n, hd, scale, out);
+	attend_portable(q, &kv, hd, scale, out);
 }
 
 void ro_qk_rope_store(void *arg, uint32_t t)
@@ -358,8 +386,7 @@ void ro_qk_rope_store(void *arg, uint32_t t)
 			ro_rmsnorm(k + hh * hd, L->k_norm, hd, c->rms_eps, k + hh * hd);
 		ro_rope(k + hh * hd, cs, sn, hd);
 	}
-	memcpy(s->k + (size_t)f->layer * s->cap * row + (size_t)f->pos[t] * row, k,
-	       row * sizeof(float));
-	memcpy(s->v + (size_t)f->layer * s->cap * row + (size_t)f->pos[t] * row, v,
-	       row * sizeof(float));
+	/* (the forward made the block this position lands in the sequence's own) */
+	memcpy(ro_kv_at(s, f->layer, 0, f->pos[t]), k, row * sizeof(float));
+	memcpy(ro_kv_at(s, f->layer, 1, f->pos[t]), v, row * sizeof(float));
 }

@@ -14,8 +14,12 @@
  *
  *   decode_bench [--model DIR | --fp8] [--steps N] [--threads N] [--batches 1,8,32,128]
  *                [--prompt P (prefill tokens, 512)]
- *                [--only decode|chunked] [--prefill-chunk C] [--long-prompt N]
- *                [--chunk-batches 8,32] [--chunk-steps S] */
+ *                [--only decode|chunked|inflight] [--prefill-chunk C] [--long-prompt N]
+ *                [--chunk-batches 8,32] [--chunk-steps S]
+ *                [--inflight UNITSxN,PROMPT,MAX_NEW,STEPS (8x8,512,32768,32)]
+ *
+ * In flight: the resident memory of UNITS x N samples decoding at once (each unit's
+ * prompt prefilled once and forked N ways), beside a cache copied per sample. */
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
@@ -440,6 +444,124 @@ static int chunked_section(struct ro_model *m, const struct chunked *o)
 	return r;
 }
 
+/* ---- resident memory of in-flight samples ------------------------------------------------ */
+
+/* kB of a /proc/self/status line ("VmRSS:", "VmHWM:") */
+static double status_kb(const char *key)
+{
+	FILE *f = fopen("/proc/self/status", "r");
+	char line[256];
+	double v = 0;
+
+	while (f && fgets(line, sizeof(line), f))
+		if (!strncmp(line, key, strlen(key)))
+			v = strtod(line + strlen(key), NULL);
+	if (f)
+		(void)fclose(f);
+	return v;
+}
+
+/* What a rollout worker holds: `units` units of n samples each, a prompt of plen tokens
+ * prefilled once per unit and forked n ways (as the engine does), then `steps` tokens
+ * decoded for all of them in one batch a step. Beside it, in the same run, what a cache
+ * copied per sample (the runtime before paged KV: each fork held its prompt's cache, grown
+ * by doubling) holds for the same tokens. */
+static int inflight_section(struct ro_model *m, uint32_t units, uint32_t n, uint32_t plen,
+			    uint32_t max_new, uint32_t steps)
+{
+	const struct ro_model_config *c = ro_model_config(m);
+	const uint32_t V = c->vocab, B = units * n;
+	uint32_t max_len = plen + max_new + 1;
+	const double per_pos = 2.0 * c->layers * c->kv_heads * c->head_dim * sizeof(float);
+	struct ro_seq **seq = calloc(B, sizeof(*seq)), *base;
+	struct ro_fwd_item *it = calloc(B, sizeof(*it));
+	int32_t *prompt = malloc(plen * sizeof(int32_t)), *tok = malloc(B * sizeof(int32_t));
+	float *logits = malloc((size_t)B * V * sizeof(float));
+	double rss0, rss1, hwm, t0, t;
+	struct ro_kv_stats st;
+	uint64_t copied_bytes = 0;
+
+	if (max_len > c->max_pos + 1)
+		max_len = c->max_pos + 1;
+	/* warm-up: the workspaces of a prompt's prefill and of a B-token decode step */
+	for (uint32_t i = 0; i < B; i++) {
+		tok[i] = (int32_t)(i % V);
+		if (ro_seq_new(m, 2, &seq[i]))
+			return -1;
+		it[i] = (struct ro_fwd_item){seq[i], &tok[i], 1, logits + (size_t)i * V, false};
+	}
+	if (ro_model_forward(m, it, B))
+		return -1;
+	for (uint32_t i = 0; i < B; i++)
+		seq[i] = ro_seq_free(seq[i]);
+	for (uint32_t j = 0; j < plen; j++)
+		prompt[j] = (int32_t)((j * 104729 + 3) % V);
+	if (ro_seq_new(m, plen, &base) ||
+	    ro_model_forward(m, &(struct ro_fwd_item){base, prompt, plen, logits, false}, 1))
+		return -1;
+	base = ro_seq_free(base);
+	rss0 = status_kb("VmRSS:");
+	t0 = now();
+	for (uint32_t u = 0; u < units; u++) {
+		for (uint32_t j = 0; j < plen; j++)
+			prompt[j] = (int32_t)((u * 7919 + j * 104729 + 17) % V);
+		if (ro_seq_new(m, max_len, &base) ||
+		    ro_model_forward(m, &(struct ro_fwd_item){base, prompt, plen, logits, false},
+				     1))
+			return -1;
+		for (uint32_t k = 0; k < n; k++)
+			if (ro_seq_fork(base, &seq[u * n + k]))
+				return -1;
+		base = ro_seq_free(base);
+	}
+	for (uint32_t s = 0; s < steps; s++) {
+		for (uint32_t i = 0; i < B; i++) {
+			tok[i] = (int32_t)((i * 31 + s * 7 + 1) % V);
+			it[i] =
+			    (struct ro_fwd_item){seq[i], &tok[i], 1, logits + (size_t)i * V, false};
+		}
+		if (ro_model_forward(m, it, B))
+			return -1;
+	}
+	t = now() - t0;
+	rss1 = status_kb("VmRSS:");
+	hwm = status_kb("VmHWM:");
+	ro_model_kv_stats(m, &st);
+	{
+		/* per-sample copies: each sample's own prompt + tokens, its cache grown by
+		 * doubling from 64 positions (what it had allocated: the touched part is what
+		 * is resident, the length itself) */
+		const uint64_t len = plen + steps;
+
+		copied_bytes = (uint64_t)B * len * (uint64_t)per_pos;
+	}
+	(void)printf("\nin flight: %u units x n=%u samples, %u-token prompts, max_new_tokens %u "
+		     "(sequences of up to %u positions), %u tokens decoded each (%.1f s)\n",
+		     units, n, plen, max_new, max_len, steps, t);
+	(void)printf("  %-44s %10.1f MiB\n", "process RSS grown by (VmRSS after - before)",
+		     (rss1 - rss0) / 1024);
+	(void)printf("  %-44s %10.1f MiB  (%llu blocks of %u positions, %.2f MiB each; %llu "
+		     "copied on write)\n",
+		     "KV blocks held", st.bytes / 1048576.0, (unsigned long long)st.blocks,
+		     st.block_positions, st.block_bytes / 1048576.0,
+		     (unsigned long long)st.copied_on_write);
+	(void)printf("  %-44s %10.1f kB  (%.1f kB is one position's K and V)\n",
+		     "KV bytes per in-flight token",
+		     st.bytes / 1024.0 / ((double)B * (plen + steps)), per_pos / 1024);
+	(void)printf("  %-44s %10.1f MiB  -> paged holds %.2fx of it\n",
+		     "baseline: a cache copied per sample", copied_bytes / 1048576.0,
+		     (double)st.bytes / (double)copied_bytes);
+	(void)printf("  %-44s %10.1f MiB\n", "process peak (VmHWM)", hwm / 1024);
+	for (uint32_t i = 0; i < B; i++)
+		ro_seq_free(seq[i]);
+	free(seq);
+	free(it);
+	free(prompt);
+	free(tok);
+	free(logits);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	static const struct option opts[] = {
@@ -454,6 +576,7 @@ int main(int argc, char **argv)
 	    {"chunk-batches", required_argument, NULL, 'B'},
 	    {"chunk-steps", required_argument, NULL, 'S'},
 	    {"fp8", no_argument, NULL, 'F'},
+	    {"inflight", required_argument, NULL, 'i'},
 	    {0},
 	};
 	const char *dir = "/tmp/rolloutd-decode-bench-model";
@@ -461,7 +584,9 @@ int main(int argc, char **argv)
 	uint32_t steps = 8, threads = 0, batches[16] = {1, 8, 32, 128}, nb = 4, plen = 32;
 	uint32_t prefill_len = 512;
 	struct chunked ck = {.batches = {8, 32}, .nb = 2, .chunk = 256, .prompt = 2000, .steps = 4};
-	bool run_decode = true, run_chunked = true;
+	bool run_decode = true, run_chunked = true, run_inflight = true;
+	/* units, samples per unit, prompt, max_new_tokens, decoded tokens */
+	uint32_t inf[5] = {8, 8, 512, 32768, 32};
 	struct ro_model_opts mo = {0};
 	struct ro_model *m;
 	const struct ro_model_config *c;
@@ -495,7 +620,13 @@ int main(int argc, char **argv)
 		} else if (ch == 'o') {
 			run_decode = !strcmp(optarg, "decode");
 			run_chunked = !strcmp(optarg, "chunked");
-			if (!run_decode && !run_chunked)
+			run_inflight = !strcmp(optarg, "inflight");
+			if (!run_decode && !run_chunked && !run_inflight)
+				return 2;
+		} else if (ch == 'i') {
+			if (sscanf(optarg, "%ux%u,%u,%u,%u", &inf[0], &inf[1], &inf[2], &inf[3],
+				   &inf[4]) != 5 ||
+			    !inf[0] || !inf[1] || !inf[2] || !inf[4] || inf[0] * inf[1] > 4096)
 				return 2;
 		} else if (ch == 'c') {
 			ck.chunk = (uint32_t)atoi(optarg);
@@ -669,6 +800,11 @@ int main(int argc, char **argv)
 		    "bandwidth, FLOPs / FMA "
 		    "throughput); bytes count the weights of the\nexperts the step really ran "
 		    "(all 64 per layer from batch ~32 on), attention, router, head, KV.\n");
+	}
+	if (run_inflight && inflight_section(m, inf[0], inf[1], inf[2], inf[3], inf[4])) {
+		(void)fprintf(stderr, "decode_bench: a forward failed in the in-flight section\n");
+		ro_model_free(m);
+		return 1;
 	}
 	if (run_chunked && chunked_section(m, &ck)) {
 		(void)fprintf(stderr, "decode_bench: a forward failed in the chunked section\n");
