@@ -396,7 +396,7 @@ static void run_chunks(struct ro_model *m, struct ro_seq *s, const int32_t *p, u
 }
 
 /* FP8 weights through the same kernels: chunking and batch-mates change no bit. */
-Test(model, fp8_is_bitwise_invariant)
+static void fp8_invariance(const char *sub)
 {
 	struct ro_model *m;
 	struct ro_seq *s[7];
@@ -405,8 +405,8 @@ Test(model, fp8_is_bitwise_invariant)
 	struct ro_fwd_item it[7];
 	uint32_t V;
 
-	make_fp8("fp8inv", RO_ARCH_QWEN3_MOE);
-	m = load("fp8inv", false);
+	make_fp8(sub, RO_ARCH_QWEN3_MOE);
+	m = load(sub, false);
 	V = ro_model_config(m)->vocab;
 	a = malloc(V * sizeof(float));
 	b = malloc(V * sizeof(float));
@@ -438,6 +438,33 @@ Test(model, fp8_is_bitwise_invariant)
 	free(a);
 	free(b);
 	free(rows);
+}
+
+Test(model, fp8_is_bitwise_invariant)
+{
+	fp8_invariance("fp8inv");
+}
+
+/* The AVX2+FMA kernels (RO_KERNELS=avx2 caps an AVX-512 machine at them): FP8 and bf16
+ * against the reference, FP8 batch and chunk invariance. */
+Test(model, avx2_kernels_match_reference)
+{
+	struct ro_model *m;
+
+#if defined(__x86_64__)
+	__builtin_cpu_init();
+	if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+#endif
+		cr_skip_test("this CPU has no AVX2+FMA");
+	cr_assert_eq(setenv("RO_KERNELS", "avx2", 1), 0);
+	make_fp8("q3fp8a", RO_ARCH_QWEN3_MOE);
+	m = load("q3fp8a", false);
+	cr_expect_str_eq(ro_model_kernels(m), "avx2+fma");
+	ro_model_free(m);
+	agree_dir("q3fp8a", "FP8", false);
+	agree("q3bf16a", RO_ARCH_QWEN3_MOE, "BF16", 1, 1ULL << 1, false);
+	fp8_invariance("fp8inva");
+	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
 }
 
 Test(model, prefill_chunking_is_bitwise_invariant)

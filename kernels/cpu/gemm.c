@@ -10,6 +10,7 @@
  * cannot fuse the scalar tail differently in different places. */
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/internal.h"
@@ -46,9 +47,18 @@ static bool cpu_has_avx512(void)
 #endif
 }
 
+/* The best the CPU has, capped by RO_KERNELS ("avx2" or "scalar"; anything else: no cap),
+ * read at each model load: to run, and test, the AVX2 path on an AVX-512 machine. */
 static int kern_best(void)
 {
-	return cpu_has_avx512() ? 2 : ro_cpu_has_avx2() ? 1 : 0;
+	const char *cap = getenv("RO_KERNELS");
+	int best = cpu_has_avx512() ? 2 : ro_cpu_has_avx2() ? 1 : 0;
+
+	if (cap && !strcmp(cap, "avx2") && best > 1)
+		best = 1;
+	else if (cap && !strcmp(cap, "scalar"))
+		best = 0;
+	return best;
 }
 
 static int kern_get(void)
@@ -155,12 +165,17 @@ INLINE AVX2 void block(const struct ro_mat *W, uint32_t r, const float *const *x
 	const float *xr[4];
 	const uint16_t *wb[4];
 	const float *wf[4];
+	const uint8_t *w8[4];
+	const float *srow[4];
 	__m256 acc[4][4];
 
 #pragma GCC unroll 4
 	for (int i = 0; i < R; i++) {
 		wb[i] = (const uint16_t *)W->w + (size_t)(r + i) * K;
 		wf[i] = (const float *)W->w + (size_t)(r + i) * K;
+		w8[i] = (const uint8_t *)W->w + (size_t)(r + i) * K;
+		srow[i] =
+		    dt == RO_F8E4M3 ? W->scale + ((r + i) / RO_FP8_BLOCK) * W->scale_cols : NULL;
 #pragma GCC unroll 4
 		for (int j = 0; j < TT; j++)
 			acc[i][j] = _mm256_setzero_ps();
@@ -186,6 +201,51 @@ INLINE AVX2 void block(const struct ro_mat *W, uint32_t r, const float *const *x
 				wv[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
 				    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wb[i] + k))),
 				    16));
+#pragma GCC unroll 4
+			for (int j = 0; j < TT; j++) {
+				__m256 xv = _mm256_loadu_ps(xr[j] + k);
+
+#pragma GCC unroll 4
+				for (int i = 0; i < R; i++)
+					acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+			}
+		}
+	} else if (dt == RO_F8E4M3) {
+		__m256 sc[4] = {0};
+
+		for (size_t k = 0; k < K8; k += 8) {
+			__m256 wv[4];
+
+			if (!(k & 63)) {
+#pragma GCC unroll 4
+				for (int i = 0; i < R; i++)
+					_mm_prefetch((const char *)(w8[i] + k) + PF_AHEAD,
+						     _MM_HINT_T0);
+			}
+			if (!(k % RO_FP8_BLOCK)) {
+#pragma GCC unroll 4
+				for (int i = 0; i < R; i++)
+					sc[i] = _mm256_set1_ps(srow[i][k / RO_FP8_BLOCK]);
+			}
+#pragma GCC unroll 4
+			for (int i = 0; i < R; i++) {
+				/* e4m3fn as in the AVX-512 path: the byte at the top, exponent and
+				 * mantissa moved to bits 30..20 and scaled by 2^120, the sign put
+				 * back; then the block's scale (one rounding, as w_at) */
+				const __m256i b =
+				    _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+							  (const __m128i *)(w8[i] + k))),
+						      24);
+				const __m256 mag = _mm256_mul_ps(
+				    _mm256_castsi256_ps(_mm256_and_si256(
+					_mm256_srli_epi32(b, 4), _mm256_set1_epi32(0x07f00000))),
+				    _mm256_set1_ps(0x1p120f));
+				const __m256 v =
+				    _mm256_or_ps(mag, _mm256_castsi256_ps(_mm256_and_si256(
+							  b, _mm256_set1_epi32((int)0x80000000u))));
+
+				wv[i] = _mm256_mul_ps(v, sc[i]);
+			}
 #pragma GCC unroll 4
 			for (int j = 0; j < TT; j++) {
 				__m256 xv = _mm256_loadu_ps(xr[j] + k);
@@ -444,8 +504,6 @@ void ro_gemm_ptrs(const struct ro_mat *W, const float *const *x, uint32_t T, flo
 		gemm_avx512(W, x, T, y, r0, r1);
 		return;
 	case 1:
-		if (W->dtype == RO_F8E4M3)
-			break; /* no AVX2 FP8 kernel yet: the portable one */
 		gemm_avx2(W, x, T, y, r0, r1);
 		return;
 	}
