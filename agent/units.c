@@ -492,7 +492,9 @@ static void wait_marker(struct ro_agent *a)
 {
 	struct ro_queue_cb cb = {on_woken, a, 1000 + a->cfg.redis_timeout_ms * 2};
 
-	a->next_claim_ms = INT64_MAX;
+	/* on_woken sets the next claim; should its answer never come (a connection lost in
+	 * a failover), claiming still goes on once the wait's own bound has passed */
+	a->next_claim_ms = ro_now_ms() + 2000 + (int64_t)a->cfg.redis_timeout_ms * 2;
 	if (a->wait_busy || ro_queue_wait_async(a->qw, 1000, &cb)) {
 		if (!a->wait_busy)
 			a->next_claim_ms = ro_now_ms() + 200;

@@ -643,8 +643,22 @@ static void failover_run(bool sentinel)
 			  ro_test_agent_status(&a, "status\n"));
 	}
 	cr_expect_geq(ro_test_agent_field(&a, "lease_losses"), 1, "the leases it could not renew");
-	if (!wait_done(qq, units, 120000))
+	if (!wait_done(qq, units, 120000)) {
 		ro_test_agent_dump_log(&a);
+		(void)fprintf(stderr, "agent status: %s\n", ro_test_agent_status(&a, "status\n"));
+		if (!sentinel)
+			for (int i = 0; i < c.n; i++) {
+				char cmd[512];
+
+				(void)snprintf(cmd, sizeof(cmd),
+					       "(timeout 5 redis-cli -p %d role | head -1; timeout 5 redis-cli -p %d llen "
+					       "'ro:{%s}:pending'; timeout 5 redis-cli -p %d zcard 'ro:{%s}:leases') "
+					       "| tr '\\n' ' ' >&2; echo >&2",
+					       c.node[i].port, c.node[i].port, q, c.node[i].port, q);
+				(void)fprintf(stderr, "node %d (port %d): ", i, c.node[i].port);
+				(void)system(cmd);
+			}
+	}
 	cr_expect_eq(done_count(qq), units);
 	verify_once(qq, units, 2);
 	cr_expect_eq(ro_test_agent_field(&a, "ready"), 1);
