@@ -528,9 +528,9 @@ static int inflight_section(struct ro_model *m, uint32_t units, uint32_t n, uint
 	hwm = status_kb("VmHWM:");
 	ro_model_kv_stats(m, &st);
 	{
-		/* per-sample copies: each sample's own prompt + tokens, its cache grown by
-		 * doubling from 64 positions (what it had allocated: the touched part is what
-		 * is resident, the length itself) */
+		/* per-sample copies: each sample's own prompt + tokens, the positions it
+		 * wrote (the part of an unshared cache that is resident; the doubling's
+		 * untouched slack is not counted) */
 		const uint64_t len = plen + steps;
 
 		copied_bytes = (uint64_t)B * len * (uint64_t)per_pos;
