@@ -132,9 +132,11 @@ int ro_seq_reserve(struct ro_seq *s, uint32_t need)
 		n = blk_new(m);
 		if (!n)
 			return -ENOMEM;
+		/* K is stored transposed (a column per position): its whole part; V's rows */
 		for (uint32_t l = 0; l < m->c.layers * 2 && keep; l++)
 			memcpy(n + (size_t)l * RO_KV_BLOCK * row, o + (size_t)l * RO_KV_BLOCK * row,
-			       (keep < RO_KV_BLOCK ? keep : RO_KV_BLOCK) * row * sizeof(float));
+			       (l % 2 == 0 || keep >= RO_KV_BLOCK ? RO_KV_BLOCK : keep) * row *
+				   sizeof(float));
 		if (keep)
 			__atomic_add_fetch(&m->kv_cow, 1, __ATOMIC_RELAXED);
 		s->blk[b] = n;
@@ -476,6 +478,22 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 					out_tok[o++] = t;
 			}
 		}
+		if (f.avx512) {
+			/* attention's token runs: consecutive positions of one sequence, as many
+			 * tokens as make 16 query rows of a KV group (one when a group has more) */
+			const uint32_t G = c->heads / c->kv_heads, per = G < 16 ? 16 / G : 1;
+
+			f.tb = malloc(((size_t)T + 1) * sizeof(*f.tb));
+			if (!f.tb) {
+				r = -ENOMEM;
+				goto out;
+			}
+			for (t = 0; t < T; t++)
+				if (!t || f.seq[t] != f.seq[t - 1] || f.pos[t] != f.pos[t - 1] + 1 ||
+				    t - f.tb[f.n_tb - 1] == per)
+					f.tb[f.n_tb++] = t;
+			f.tb[f.n_tb] = T;
+		}
 		m->split.other += lap(&tm);
 		for (uint32_t l = 0; l < c->layers; l++) {
 			const struct layer *L = &m->L[l];
@@ -492,7 +510,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			ro_pool_for(m->pool, T, ro_qk_rope_store, &f);
 #if defined(__x86_64__)
 			if (f.avx512)
-				ro_pool_for(m->pool, T * c->kv_heads, ro_attend_group, &f);
+				ro_pool_for(m->pool, f.n_tb * c->kv_heads, ro_attend_group, &f);
 			else
 #endif
 				ro_pool_for(m->pool, T * c->heads, ro_attend_one, &f);
@@ -597,6 +615,7 @@ out:
 	free(J.j);
 	free(f.seq);
 	free(f.pos);
+	free(f.tb);
 	free(ids);
 	free(rw);
 	free(out_tok);
@@ -671,8 +690,9 @@ uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens)
 	for (uint32_t l = 0; l < c->layers; l++)
 		moe = moe || !m->L[l].dense;
 	b = ws_floats(c, T, T) * sizeof(float);
-	/* f.seq, f.pos, ids, rw, out_tok */
-	b += T * (sizeof(struct ro_seq *) + sizeof(uint32_t) * 2) + TK * (sizeof(int32_t) * 2);
+	/* f.seq, f.pos, ids, rw, out_tok, f.tb */
+	b += T * (sizeof(struct ro_seq *) + sizeof(uint32_t) * 2) + TK * (sizeof(int32_t) * 2) +
+	     (T + 1) * sizeof(uint32_t);
 	fj = njobs(qd) + njobs(kvd) * 2;
 	fj = fj > njobs(H) ? fj : njobs(H);
 	fj = fj > njobs(c->dense_ffn) * 2 ? fj : njobs(c->dense_ffn) * 2;

@@ -45,9 +45,9 @@ struct ro_model {
 };
 
 /* The KV cache in blocks of RO_KV_BLOCK positions, as vLLM pages it: a block holds
- * [layers][K, V][RO_KV_BLOCK][kv_heads * head_dim] floats, 64 bytes after its reference
- * count. A sequence's table lists its blocks by position / RO_KV_BLOCK; ro_seq_fork shares
- * every block (the n samples of a unit hold one copy of the prompt's cache), and a block
+ * [layers][K, V][RO_KV_BLOCK][kv_heads * head_dim] floats (K transposed: ro_kv_kt), 64
+ * bytes after its reference count. A sequence's table lists its blocks by position /
+ * RO_KV_BLOCK; ro_seq_fork shares every block (the n samples of a unit hold one copy of the prompt's cache), and a block
  * is copied the first time a sequence that shares it writes into it (ro_seq_reserve,
  * before a forward: the forward's tasks only store). Blocks are taken as positions come. */
 #define RO_KV_BLOCK 64
@@ -59,12 +59,24 @@ struct ro_seq {
 	float **blk;
 };
 
-static inline float *ro_kv_at(const struct ro_seq *s, uint32_t layer, uint32_t kv, uint32_t pos)
+/* V of position pos at a layer: its row of kv_heads * head_dim floats. */
+static inline float *ro_kv_v(const struct ro_seq *s, uint32_t layer, uint32_t pos)
 {
 	const size_t row = (size_t)s->m->c.kv_heads * s->m->c.head_dim;
 
 	return s->blk[pos / RO_KV_BLOCK] +
-	       (((size_t)layer * 2 + kv) * RO_KV_BLOCK + pos % RO_KV_BLOCK) * row;
+	       (((size_t)layer * 2 + 1) * RO_KV_BLOCK + pos % RO_KV_BLOCK) * row;
+}
+
+/* K at a layer is stored transposed in each block, [kv_heads * head_dim][RO_KV_BLOCK]: element
+ * i of position p is at ro_kv_kt(s, layer, p)[i * RO_KV_BLOCK + p % RO_KV_BLOCK], so the
+ * keys of a tile lie along vector lanes and a query's scores against 16 keys are 16-lane
+ * FMAs with no horizontal sums. This returns the block's K part for the layer. */
+static inline float *ro_kv_kt(const struct ro_seq *s, uint32_t layer, uint32_t pos)
+{
+	const size_t row = (size_t)s->m->c.kv_heads * s->m->c.head_dim;
+
+	return s->blk[pos / RO_KV_BLOCK] + (size_t)layer * 2 * RO_KV_BLOCK * row;
 }
 
 /* Element i of a tensor as f32, whatever its stored dtype. */
@@ -114,13 +126,16 @@ struct fwd {
 	const float *rw, *moe_out; /* the routing weights and expert outputs, for the combine */
 	bool avx2;
 	bool avx512; /* attention by KV group (ro_attend_group); head_dim % 16 == 0 */
+	/* ro_attend_group's token runs: tokens [tb[i], tb[i + 1]) are consecutive positions of
+	 * one sequence (at most 16 query rows in all), i < n_tb */
+	uint32_t *tb, n_tb;
 };
 
 /* cpu/attention.c: per token, the biases, q/k norms and RoPE, stored into the cache; per
  * (token, head), attention over the cache. Both are ro_pool_for tasks over struct fwd. */
 void ro_qk_rope_store(void *arg, uint32_t t);
 void ro_attend_one(void *arg, uint32_t i);
-/* The same with AVX-512 for a (token, KV head): its query heads together. */
+/* The same with AVX-512 for a (token run, KV head): its tokens' query heads together. */
 void ro_attend_group(void *arg, uint32_t i);
 
 /* cpu/moe.c: routing, the local expert layer, and a rank's empty turn in an exchange. */

@@ -852,7 +852,12 @@ Test(model, long_prompt_matches_reference)
  * of 1 (token-by-token decode), 7, 64 and 100, and in chunks of 50 inside batches where
  * other sequences decode (and one prefills): every position's logits the same bits. The
  * decoding sequences get the bits they get alone, too. */
-static void chunked_prefill(const char *sub, enum ro_arch arch, uint64_t dense)
+static void set_config(const char *sub, const char *key, const char *value);
+
+/* window: a sliding_window (Mixtral) that is not a multiple of the KV block, so the keys a
+ * query sees start inside a block and the tokens of one chunk start in different ones */
+static void chunked_prefill_w(const char *sub, enum ro_arch arch, uint64_t dense,
+			      const char *window)
 {
 	const uint32_t n = 300, chunks[] = {1, 7, 64, 100};
 	struct ro_model *m;
@@ -861,6 +866,8 @@ static void chunked_prefill(const char *sub, enum ro_arch arch, uint64_t dense)
 	uint32_t V;
 
 	make(sub, arch, "BF16", 1, dense);
+	if (window)
+		set_config(sub, "sliding_window", window);
 	m = load(sub, false);
 	V = ro_model_config(m)->vocab;
 	p = prompt_of(n, V, 2);
@@ -947,6 +954,11 @@ static void chunked_prefill(const char *sub, enum ro_arch arch, uint64_t dense)
 	free(base);
 	free(p);
 	ro_model_free(m);
+}
+
+static void chunked_prefill(const char *sub, enum ro_arch arch, uint64_t dense)
+{
+	chunked_prefill_w(sub, arch, dense, NULL);
 }
 
 Test(model, chunked_prefill_qwen3_is_bitwise_invariant)
@@ -1684,6 +1696,11 @@ Test(hostile, mixtral_sliding_window_matches_reference)
 	cr_expect_eq(rel_diff("swin64", "full", o.vocab), 0);
 	set_config("swin", "sliding_window", "0");
 	expect_refused("swin", -EINVAL, "config.json: sliding_window: 0 is out of range");
+}
+
+Test(hostile, sliding_window_chunked_prefill_is_bitwise_invariant)
+{
+	chunked_prefill_w("swchunk", RO_ARCH_MIXTRAL, 0, "100");
 }
 
 Test(hostile, qwen3_use_sliding_window_is_refused)

@@ -10,20 +10,6 @@
 
 #include "kernels/model_internal.h"
 
-static float dotf(const float *a, const float *b, uint32_t n)
-{
-	float acc[8] = {0}, s;
-	uint32_t n8 = n & ~7u;
-
-	for (uint32_t k = 0; k < n8; k += 8)
-		for (int l = 0; l < 8; l++)
-			acc[l] = acc[l] + a[k + l] * b[k + l];
-	s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-	for (uint32_t k = n8; k < n; k++)
-		s = s + a[k] * b[k];
-	return s;
-}
-
 /* Keys per attention tile: one KV block. Tiles are the cache's blocks (positions
  * [64 b, 64 b + 64) clipped to the keys a query sees), so the tiles of a query (and with
  * them every rounding of its running softmax) follow from its own position alone, never
@@ -45,14 +31,32 @@ static inline uint32_t tile_end(const struct kv_span *kv, uint32_t p)
 	return e < kv->hi ? e : kv->hi;
 }
 
-static inline const float *kv_k(const struct kv_span *kv, uint32_t p)
+/* The KV head's K^T in the block of position p: element d of position p' (same block) at
+ * [d * ATT_TILE + p' % ATT_TILE]. */
+static inline const float *kv_kt(const struct kv_span *kv, uint32_t p)
 {
-	return ro_kv_at(kv->s, kv->layer, 0, p) + kv->off;
+	return ro_kv_kt(kv->s, kv->layer, p) + kv->off * ATT_TILE;
 }
 
 static inline const float *kv_v(const struct kv_span *kv, uint32_t p)
 {
-	return ro_kv_at(kv->s, kv->layer, 1, p) + kv->off;
+	return ro_kv_v(kv->s, kv->layer, p) + kv->off;
+}
+
+/* q . K[j] for the key in column j of a K^T tile: eight accumulators over the elements
+ * (element k into acc[k % 8]), a fixed tree, then the tail in order. */
+static float dot_kt(const float *q, const float *kt, uint32_t j, uint32_t n)
+{
+	float acc[8] = {0}, s;
+	uint32_t n8 = n & ~7u;
+
+	for (uint32_t k = 0; k < n8; k += 8)
+		for (int l = 0; l < 8; l++)
+			acc[l] = acc[l] + q[k + l] * kt[(size_t)(k + l) * ATT_TILE + j];
+	s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+	for (uint32_t k = n8; k < n; k++)
+		s = s + q[k] * kt[(size_t)k * ATT_TILE + j];
+	return s;
 }
 
 /* Token t's keys at this layer for KV head kvh: every position up to its own, or with a
@@ -89,12 +93,12 @@ static void attend_portable(const float *q, const struct kv_span *kv, uint32_t h
 	for (uint32_t d = 0; d < hd; d++)
 		out[d] = 0;
 	for (uint32_t p0 = kv->lo; p0 < kv->hi; p0 = tile_end(kv, p0)) {
-		const uint32_t w = tile_end(kv, p0) - p0;
-		const float *K = kv_k(kv, p0), *V = kv_v(kv, p0);
+		const uint32_t w = tile_end(kv, p0) - p0, j0 = p0 % ATT_TILE;
+		const float *K = kv_kt(kv, p0), *V = kv_v(kv, p0);
 		float tmx = mx;
 
 		for (uint32_t j = 0; j < w; j++) {
-			sc[j] = dotf(q, K + (size_t)j * row, hd) * scale;
+			sc[j] = dot_kt(q, K, j0 + j, hd) * scale;
 			if (sc[j] > tmx)
 				tmx = sc[j];
 		}
@@ -125,46 +129,50 @@ static void attend_portable(const float *q, const struct kv_span *kv, uint32_t h
 #if defined(__x86_64__)
 #define AVX2 __attribute__((target("avx2")))
 
-/* dotf's tree: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) */
-static inline AVX2 float hsum8(__m256 v)
-{
-	__m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-	__m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-
-	return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
-}
-
 /* attend_portable with 8-wide vectors, bitwise the same: a multiply then an add for every
- * lane where the portable code has a * b + c (no FMA, -ffp-contract=off), the dot product's
- * eight accumulators as one register, the output eight elements at a time. */
+ * lane where the portable code has a * b + c (no FMA, -ffp-contract=off). Scores eight keys
+ * at a time, one per lane, each lane running dot_kt's eight accumulators and tree; the
+ * output eight elements at a time. */
 static AVX2 void attend_avx2(const float *q, const struct kv_span *kv, uint32_t hd, float scale,
 			     float *out)
 {
 	const uint32_t h8 = hd & ~7u, row = kv->row;
-	float sc[ATT_TILE], mx = -INFINITY, sum = 0;
+	float sc[ATT_TILE + 8], mx = -INFINITY, sum = 0;
 
 	for (uint32_t d = 0; d < hd; d++)
 		out[d] = 0;
 	for (uint32_t p0 = kv->lo; p0 < kv->hi; p0 = tile_end(kv, p0)) {
-		const uint32_t w = tile_end(kv, p0) - p0;
-		const float *K = kv_k(kv, p0), *V = kv_v(kv, p0);
+		const uint32_t w = tile_end(kv, p0) - p0, j0 = p0 % ATT_TILE;
+		const float *K = kv_kt(kv, p0), *V = kv_v(kv, p0);
 		float tmx = mx;
 
-		for (uint32_t j = 0; j < w; j++) {
-			const float *kr = K + (size_t)j * row;
-			__m256 acc = _mm256_setzero_ps();
-			float s;
+		for (uint32_t j = 0; j < w; j += 8) {
+			/* columns past the tile (inside the block, or the V rows after it) are
+			 * read and dropped */
+			const float *kc = K + j0 + j;
+			__m256 a[8], s;
 
+			for (int l = 0; l < 8; l++)
+				a[l] = _mm256_setzero_ps();
 			for (uint32_t k = 0; k < h8; k += 8)
-				acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + k),
-								       _mm256_loadu_ps(kr + k)));
-			s = hsum8(acc);
+				for (int l = 0; l < 8; l++)
+					a[l] = _mm256_add_ps(
+					    a[l], _mm256_mul_ps(_mm256_set1_ps(q[k + l]),
+								_mm256_loadu_ps(kc + (size_t)(k + l) *
+											 ATT_TILE)));
+			s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[4]),
+							_mm256_add_ps(a[2], a[6])),
+					  _mm256_add_ps(_mm256_add_ps(a[1], a[5]),
+							_mm256_add_ps(a[3], a[7])));
 			for (uint32_t k = h8; k < hd; k++)
-				s = s + q[k] * kr[k];
-			sc[j] = s * scale;
+				s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_set1_ps(q[k]),
+								   _mm256_loadu_ps(kc + (size_t)k *
+											ATT_TILE)));
+			_mm256_storeu_ps(sc + j, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+		}
+		for (uint32_t j = 0; j < w; j++)
 			if (sc[j] > tmx)
 				tmx = sc[j];
-		}
 		if (tmx > mx) {
 			const float a = expf(mx - tmx);
 
@@ -223,116 +231,269 @@ static inline AVX512 float hsum16(__m512 v)
 {
 	__m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
 				 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+	__m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+	__m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
 
-	return hsum8(a);
+	return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
-#define GQ 8 /* query heads of a KV group handled together */
+#define AROWS 16 /* query rows of one task: a token run's heads of one KV group */
 
-/* The G (<= GQ) query heads of one KV group against keys [0, n), AVX-512 (head_dim a
- * multiple of 16): the same tiles of ATT_TILE keys as attend_portable, counted from the
- * same start, the same running max and rescaling, but FMAs, a 16-lane exp and a fixed
- * tree for each tile's sum. The heads go through each K/V tile together, so it is read
- * once from memory for all of them; every query's arithmetic is its own and the same
- * whatever the batch or chunk (its tiles follow from its position alone). */
-static AVX512 void attend_group512(const float *q, size_t qstride, const struct kv_span *kv,
-				   uint32_t hd, float scale, float *out, size_t ostride, uint32_t G)
+/* One query row of a task: its query, its output, the keys it sees [lo, hi), its running
+ * max and sum, and the scores of the current tile by the tile's block column. */
+struct arow {
+	const float *q;
+	float *out;
+	uint32_t lo, hi;
+	float mx, sum;
+};
+
+/* Scores of R (<= 4) rows against the key columns [16 c0, 16 (c0 + C)) of a K^T tile
+ * (C <= 4): for each (row, key) q[0] k[0], then an FMA per element in order, times scale.
+ * R x C independent 16-lane chains share each K^T load; the arithmetic of a (row, key) is
+ * the same whichever rows and columns it was computed beside. */
+static inline __attribute__((always_inline)) AVX512 void
+qk_block(const float *const *q, uint32_t R, const float *kt, uint32_t c0, uint32_t C,
+	 uint32_t hd, float scale, float (*sc)[ATT_TILE])
 {
-	float sc[GQ][ATT_TILE] __attribute__((aligned(64)));
-	float mx[GQ], sum[GQ];
+	__m512 acc[4][4];
+
+	for (uint32_t r = 0; r < 4; r++)
+		for (uint32_t c = 0; c < 4; c++)
+			acc[r][c] = _mm512_setzero_ps();
+	for (uint32_t d = 0; d < hd; d++) {
+		const float *kr = kt + (size_t)d * ATT_TILE + 16 * c0;
+		__m512 k[4];
+
+#pragma GCC unroll 4
+		for (uint32_t c = 0; c < 4; c++)
+			k[c] = c < C ? _mm512_loadu_ps(kr + 16 * c) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+		for (uint32_t r = 0; r < 4; r++) {
+			if (r >= R)
+				break;
+			const __m512 qd = _mm512_set1_ps(q[r][d]);
+
+#pragma GCC unroll 4
+			for (uint32_t c = 0; c < 4; c++)
+				if (c < C)
+					acc[r][c] = _mm512_fmadd_ps(qd, k[c], acc[r][c]);
+		}
+	}
+	for (uint32_t r = 0; r < R; r++)
+		for (uint32_t c = 0; c < C; c++)
+			_mm512_store_ps(&sc[r][16 * (c0 + c)],
+					_mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale)));
+}
+
+/* qk_block with R and C constants, so that its accumulators live in registers */
+static AVX512 void qk_rows(const float *const *q, uint32_t R, const float *kt, uint32_t c0,
+			   uint32_t C, uint32_t hd, float scale, float (*sc)[ATT_TILE])
+{
+#define QK(r, c) qk_block(q, r, kt, c0, c, hd, scale, sc)
+	switch (R * 8 + C) {
+	case 4 * 8 + 4: QK(4, 4); break;
+	case 4 * 8 + 3: QK(4, 3); break;
+	case 4 * 8 + 2: QK(4, 2); break;
+	case 4 * 8 + 1: QK(4, 1); break;
+	case 3 * 8 + 4: QK(3, 4); break;
+	case 2 * 8 + 4: QK(2, 4); break;
+	case 1 * 8 + 4: QK(1, 4); break;
+	default:
+		qk_block(q, R, kt, c0, C, hd, scale, sc);
+	}
+#undef QK
+}
+
+/* out[r] += p[r][j] V[j] for j in [a, b), R (<= 4) rows, output elements [d0, d0 + 16 D)
+ * (D <= 2): each element takes its terms in key order, as attend_portable. */
+static inline __attribute__((always_inline)) AVX512 void
+pv_block(float *const *out, const float *const *p, uint32_t R, const float *V, uint32_t row,
+	 uint32_t a, uint32_t b, uint32_t d0, uint32_t D)
+{
+	__m512 acc[4][2];
+
+	for (uint32_t r = 0; r < R; r++)
+		for (uint32_t e = 0; e < D; e++)
+			acc[r][e] = _mm512_loadu_ps(out[r] + d0 + 16 * e);
+	for (uint32_t j = a; j < b; j++) {
+		const float *vr = V + (size_t)j * row + d0;
+		__m512 v[2];
+
+#pragma GCC unroll 2
+		for (uint32_t e = 0; e < 2; e++)
+			v[e] = e < D ? _mm512_loadu_ps(vr + 16 * e) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+		for (uint32_t r = 0; r < 4; r++) {
+			if (r >= R)
+				break;
+			const __m512 pj = _mm512_set1_ps(p[r][j]);
+
+#pragma GCC unroll 2
+			for (uint32_t e = 0; e < 2; e++)
+				if (e < D)
+					acc[r][e] = _mm512_fmadd_ps(pj, v[e], acc[r][e]);
+		}
+	}
+	for (uint32_t r = 0; r < R; r++)
+		for (uint32_t e = 0; e < D; e++)
+			_mm512_storeu_ps(out[r] + d0 + 16 * e, acc[r][e]);
+}
+
+static AVX512 void pv_rows(float *const *out, const float *const *p, uint32_t R, const float *V,
+			   uint32_t row, uint32_t a, uint32_t b, uint32_t hd)
+{
+	for (uint32_t d0 = 0; d0 < hd; d0 += 32) {
+		const uint32_t D = hd - d0 >= 32 ? 2 : 1;
+
+		switch (R * 4 + D) {
+		case 4 * 4 + 2: pv_block(out, p, 4, V, row, a, b, d0, 2); break;
+		case 2 * 4 + 2: pv_block(out, p, 2, V, row, a, b, d0, 2); break;
+		case 1 * 4 + 2: pv_block(out, p, 1, V, row, a, b, d0, 2); break;
+		default: pv_block(out, p, R, V, row, a, b, d0, D);
+		}
+	}
+}
+
+/* The rows of a task (a run of consecutive tokens of one sequence, the heads of one KV
+ * group each) against their keys, AVX-512 (head_dim a multiple of 16). Each row goes
+ * through the same tiles as attend_portable (block-aligned, counted from its own first
+ * key), with its own running max and rescaling; the rows share each tile's K^T and V
+ * while they are in cache. Scores by FMA chains over the elements, a 16-lane exp and a
+ * fixed tree for each tile's sum: every row's arithmetic is its own and the same whatever
+ * rows it ran beside, so a token's output does not depend on its batch or chunk. Rows
+ * are grouped by token (G consecutive rows share lo and hi). */
+static AVX512 void attend_rows512(struct arow *rw, uint32_t nr, uint32_t G,
+				  const struct kv_span *kv, uint32_t hd, float scale)
+{
+	float sc[AROWS][ATT_TILE] __attribute__((aligned(64)));
+	uint32_t lo = UINT32_MAX, hi = 0;
 	const uint32_t row = kv->row;
 
-	for (uint32_t g = 0; g < G; g++) {
-		mx[g] = -INFINITY;
-		sum[g] = 0;
-		for (uint32_t d = 0; d < hd; d++)
-			out[g * ostride + d] = 0;
+	for (uint32_t r = 0; r < nr; r++) {
+		rw[r].mx = -INFINITY;
+		rw[r].sum = 0;
+		memset(rw[r].out, 0, hd * sizeof(float));
+		lo = rw[r].lo < lo ? rw[r].lo : lo;
+		hi = rw[r].hi > hi ? rw[r].hi : hi;
 	}
-	for (uint32_t p0 = kv->lo; p0 < kv->hi; p0 = tile_end(kv, p0)) {
-		const uint32_t w = tile_end(kv, p0) - p0;
-		const float *K = kv_k(kv, p0), *V = kv_v(kv, p0);
+	for (uint32_t p0 = lo; p0 < hi;) {
+		const uint32_t blk = p0 - p0 % ATT_TILE, e = blk + ATT_TILE < hi ? blk + ATT_TILE : hi;
+		const float *K = kv_kt(kv, p0), *V = kv_v(kv, blk);
 
-		for (uint32_t j = 0; j < w; j++) {
-			const float *kr = K + (size_t)j * row;
+		/* scores: rows in fours over the columns some row of the four needs */
+		for (uint32_t r0 = 0; r0 < nr; r0 += 4) {
+			const uint32_t R = nr - r0 < 4 ? nr - r0 : 4;
+			uint32_t a = ATT_TILE, b = 0;
+			const float *q[4];
 
-			for (uint32_t g = 0; g < G; g++) {
-				const float *qg = q + g * qstride;
-				__m512 acc =
-				    _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kr));
+			for (uint32_t r = 0; r < R; r++) {
+				const struct arow *x = &rw[r0 + r];
+				const uint32_t ra = x->lo > p0 ? x->lo : p0, rb = x->hi < e ? x->hi : e;
 
-				for (uint32_t d = 16; d < hd; d += 16)
-					acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d),
-							      _mm512_loadu_ps(kr + d), acc);
-				sc[g][j] = hsum16(acc) * scale;
+				q[r] = x->q;
+				if (ra < rb) {
+					a = ra - blk < a ? ra - blk : a;
+					b = rb - blk > b ? rb - blk : b;
+				}
 			}
+			if (a < b)
+				for (uint32_t c0 = a / 16; c0 <= (b - 1) / 16; c0 += 4) {
+					const uint32_t cl = (b - 1) / 16 + 1 - c0;
+
+					qk_rows(q, R, K, c0, cl < 4 ? cl : 4, hd, scale, sc + r0);
+				}
 		}
-		for (uint32_t g = 0; g < G; g++) {
-			float tmx = mx[g];
+		/* each row's running softmax over its own keys of the tile */
+		for (uint32_t r = 0; r < nr; r++) {
+			struct arow *x = &rw[r];
+			const uint32_t ra = x->lo > p0 ? x->lo : p0, rb = x->hi < e ? x->hi : e;
+			const uint32_t a = ra - blk, w = rb > ra ? rb - ra : 0;
+			float tmx = x->mx, *s = &sc[r][a];
 			__m512 ts = _mm512_setzero_ps();
 
+			if (!w)
+				continue;
 			for (uint32_t j = 0; j < w; j++)
-				if (sc[g][j] > tmx)
-					tmx = sc[g][j];
-			if (tmx > mx[g]) {
-				const float a = expf(mx[g] - tmx);
-				float *o = out + g * ostride;
+				if (s[j] > tmx)
+					tmx = s[j];
+			if (tmx > x->mx) {
+				const float f = expf(x->mx - tmx);
 
-				sum[g] = sum[g] * a;
+				x->sum = x->sum * f;
 				for (uint32_t d = 0; d < hd; d += 16)
-					_mm512_storeu_ps(o + d,
-							 _mm512_mul_ps(_mm512_loadu_ps(o + d),
-								       _mm512_set1_ps(a)));
-				mx[g] = tmx;
+					_mm512_storeu_ps(x->out + d,
+							 _mm512_mul_ps(_mm512_loadu_ps(x->out + d),
+								       _mm512_set1_ps(f)));
+				x->mx = tmx;
 			}
-			/* the tile's weights, 16 at a time (lanes past w are 0), summed lane-wise
-			 * in order, then one tree */
+			/* the tile's weights, 16 at a time from the row's first key (lanes past w
+			 * are 0), summed lane-wise in order, then one tree */
 			for (uint32_t j = 0; j < w; j += 16) {
 				const __mmask16 k =
 				    w - j >= 16 ? 0xffff : (__mmask16)((1u << (w - j)) - 1);
-				__m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, &sc[g][j]),
-								_mm512_set1_ps(mx[g])));
+				__m512 ex = exp512(
+				    _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), _mm512_set1_ps(x->mx)));
 
-				e = _mm512_maskz_mov_ps(k, e);
-				_mm512_store_ps(&sc[g][j], e);
-				ts = _mm512_add_ps(ts, e);
+				ex = _mm512_maskz_mov_ps(k, ex);
+				_mm512_mask_storeu_ps(s + j, k, ex);
+				ts = _mm512_add_ps(ts, ex);
 			}
-			sum[g] = sum[g] + hsum16(ts);
+			x->sum = x->sum + hsum16(ts);
 		}
-		for (uint32_t g = 0; g < G; g++) {
-			float *o = out + g * ostride;
+		/* outputs: a token's rows (the same keys) in fours */
+		for (uint32_t t0 = 0; t0 < nr; t0 += G)
+			for (uint32_t r0 = t0; r0 < t0 + G; r0 += 4) {
+				const uint32_t R = t0 + G - r0 < 4 ? t0 + G - r0 : 4;
+				const struct arow *x = &rw[r0];
+				const uint32_t ra = x->lo > p0 ? x->lo : p0, rb = x->hi < e ? x->hi : e;
+				float *out[4];
+				const float *pp[4];
 
-			for (uint32_t d = 0; d < hd; d += 16) {
-				const float *vr = V + d;
-				__m512 acc = _mm512_loadu_ps(o + d);
-
-				for (uint32_t j = 0; j < w; j++, vr += row)
-					acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[g][j]),
-							      _mm512_loadu_ps(vr), acc);
-				_mm512_storeu_ps(o + d, acc);
+				if (ra >= rb)
+					continue;
+				for (uint32_t r = 0; r < R; r++) {
+					out[r] = rw[r0 + r].out;
+					pp[r] = sc[r0 + r];
+				}
+				pv_rows(out, pp, R, V, row, ra - blk, rb - blk, hd);
 			}
-		}
+		p0 = e;
 	}
-	for (uint32_t g = 0; g < G; g++)
+	for (uint32_t r = 0; r < nr; r++)
 		for (uint32_t d = 0; d < hd; d++)
-			out[g * ostride + d] = out[g * ostride + d] / sum[g];
+			rw[r].out[d] = rw[r].out[d] / rw[r].sum;
 }
 
-/* ro_attend_one for a whole KV group: task i is (token, KV head). */
+/* ro_attend_one for a run of tokens and a KV group: task i is (token run, KV head). */
 void ro_attend_group(void *arg, uint32_t i)
 {
 	struct fwd *f = arg;
 	const struct ro_model_config *c = &f->m->c;
-	const uint32_t hd = c->head_dim, t = i / c->kv_heads, kvh = i % c->kv_heads;
-	const uint32_t G = c->heads / c->kv_heads;
-	const struct kv_span kv = span_of(f, t, kvh);
+	const uint32_t hd = c->head_dim, run = i / c->kv_heads, kvh = i % c->kv_heads;
+	const uint32_t G = c->heads / c->kv_heads, t0 = f->tb[run], t1 = f->tb[run + 1];
 	const float scale = (float)(1.0 / sqrt((double)hd));
+	struct arow rw[AROWS];
+	struct kv_span kv = span_of(f, t0, kvh);
 
-	for (uint32_t g0 = 0; g0 < G; g0 += GQ) {
-		const uint32_t hh = kvh * G + g0;
+	/* G > AROWS: a token's heads in parts */
+	for (uint32_t g0 = 0; g0 < G; g0 += AROWS) {
+		const uint32_t gn = G - g0 < AROWS ? G - g0 : AROWS;
+		uint32_t nr = 0;
 
-		attend_group512(f->q + (size_t)t * c->heads * hd + (size_t)hh * hd, hd, &kv, hd,
-				scale, f->att + (size_t)t * c->heads * hd + (size_t)hh * hd, hd,
-				G - g0 < GQ ? G - g0 : GQ);
+		for (uint32_t t = t0; t < t1; t++) {
+			const struct kv_span ks = span_of(f, t, kvh);
+
+			for (uint32_t g = 0; g < gn; g++, nr++) {
+				const size_t hh = (size_t)kvh * G + g0 + g;
+
+				rw[nr].q = f->q + (size_t)t * c->heads * hd + hh * hd;
+				rw[nr].out = f->att + (size_t)t * c->heads * hd + hh * hd;
+				rw[nr].lo = ks.lo;
+				rw[nr].hi = ks.hi;
+			}
+		}
+		attend_rows512(rw, nr, gn, &kv, hd, scale);
 	}
 }
 #endif
@@ -387,6 +548,11 @@ void ro_qk_rope_store(void *arg, uint32_t t)
 		ro_rope(k + hh * hd, cs, sn, hd);
 	}
 	/* (the forward made the block this position lands in the sequence's own) */
-	memcpy(ro_kv_at(s, f->layer, 0, f->pos[t]), k, row * sizeof(float));
-	memcpy(ro_kv_at(s, f->layer, 1, f->pos[t]), v, row * sizeof(float));
+	{
+		float *kt = ro_kv_kt(s, f->layer, f->pos[t]) + f->pos[t] % RO_KV_BLOCK;
+
+		for (uint32_t i = 0; i < row; i++)
+			kt[(size_t)i * RO_KV_BLOCK] = k[i];
+	}
+	memcpy(ro_kv_v(s, f->layer, f->pos[t]), v, row * sizeof(float));
 }
