@@ -408,12 +408,14 @@ static AVX512 void attend_rows512(struct arow *rw, uint32_t nr, uint32_t G,
 		for (uint32_t r = 0; r < nr; r++) {
 			struct arow *x = &rw[r];
 			const uint32_t ra = x->lo > p0 ? x->lo : p0, rb = x->hi < e ? x->hi : e;
-			const uint32_t a = ra - blk, w = rb > ra ? rb - ra : 0;
-			float tmx = x->mx, *s = &sc[r][a];
+			float tmx = x->mx, *s;
+			uint32_t w;
 			__m512 ts = _mm512_setzero_ps();
 
-			if (!w)
-				continue;
+			if (rb <= ra)
+				continue; /* none of its keys here (a window that starts later) */
+			w = rb - ra;
+			s = &sc[r][ra - blk];
 			for (uint32_t j = 0; j < w; j++)
 				if (s[j] > tmx)
 					tmx = s[j];
