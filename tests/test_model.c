@@ -370,8 +370,12 @@ static void make_fp8(const char *sub, enum ro_arch arch)
 
 Test(model, qwen3_fp8_matches_reference)
 {
+	struct ro_model *m;
+
 	make_fp8("q3fp8", RO_ARCH_QWEN3_MOE);
-	cr_expect_str_eq(ro_model_config(load("q3fp8", false))->dtype, "F8_E4M3");
+	m = load("q3fp8", false);
+	cr_expect_str_eq(ro_model_config(m)->dtype, "F8_E4M3");
+	ro_model_free(m);
 	agree_dir("q3fp8", "FP8", false);
 	agree_dir("q3fp8", "FP8", true);
 }
