@@ -220,6 +220,10 @@ void ro_policy_stop(struct ro_agent *a);
  * weights (policy-swap finish) once their last sequence ended. */
 void ro_policy_swap(struct ro_agent *a);
 void ro_policy_gc(struct ro_agent *a);
+/* The model options of the settings (threads, weights-hugepages, this EP rank), and one
+ * log line on where the loaded weights live. */
+void ro_policy_model_opts(const struct ro_agent *a, struct ro_model_opts *ret);
+void ro_policy_log_weights(const struct ro_model *m, const char *what);
 
 /* drain.c */
 /* Begin (or tighten) a drain; deadline in ms since the epoch. */

@@ -124,6 +124,9 @@ static const struct setting table[] = {
     {"control-socket", T_STR, F(control_socket), "/run/rolloutd/control.sock", 0, 0, NULL,
      "unix socket for rolloutctl drain / status --local (mode 0600); empty: none"},
     {"threads", T_U32, F(threads), "0", 0, 1024, NULL, "model threads; 0: one per CPU"},
+    {"weights-hugepages", T_BOOL, F(weights_hugepages), "true", 0, 0, NULL,
+     "copy the linear weights (of the experts this rank owns) into transparent huge pages: "
+     "faster decoding, a copy at load; false: read them in place from the mapped files"},
     {"policy-version", T_I64, F(policy_version), "0", 0, INT64_MAX, NULL,
      "policy version of the weights in `model` (samples carry it); newer ones published with "
      "`rolloutctl policy publish` are loaded while running"},

@@ -413,7 +413,7 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	worker_id(a);
-	mo.threads = a->cfg.threads;
+	ro_policy_model_opts(a, &mo);
 	/* Threads started before the loop's signalfd takes over (the model's pool here,
 	 * libfabric's in ep_setup) must block SIGTERM and SIGINT for good: the kernel hands a
 	 * process-directed signal to any thread that does not block it, so once the main thread
@@ -431,6 +431,7 @@ int main(int argc, char **argv)
 		ro_config_clear(&a->cfg);
 		return 1;
 	}
+	ro_policy_log_weights(a->m, "model");
 	a->vocab = ro_model_config(a->m)->vocab;
 	a->policy_version = a->published_version = a->cfg.policy_version;
 	queue_opts(a, &qo);

@@ -38,11 +38,36 @@ static bool same_shapes(const struct ro_model_config *x, const struct ro_model_c
 	return true;
 }
 
+void ro_policy_model_opts(const struct ro_agent *a, struct ro_model_opts *ret)
+{
+	*ret = (struct ro_model_opts){
+	    .threads = a->cfg.threads,
+	    .hugepages = a->cfg.weights_hugepages,
+	    .ep_rank = a->cfg.ep_size > 1 ? a->cfg.ep_rank : 0,
+	    .ep_world = a->cfg.ep_size > 1 ? a->cfg.ep_size : 1,
+	};
+}
+
+void ro_policy_log_weights(const struct ro_model *m, const char *what)
+{
+	struct ro_model_pin p;
+
+	ro_model_pinned(m, &p);
+	if (p.bytes)
+		ro_log(LOG_INFO,
+		       "%s weights: %.3f GB copied into huge pages (%.3f GB of them backed by 2 MiB "
+		       "pages)%s%s",
+		       what, p.bytes / 1e9, p.huge_bytes / 1e9, p.why[0] ? "; " : "", p.why);
+	else
+		ro_log(LOG_INFO, "%s weights: read in place from the mapped files (huge pages: %s)",
+		       what, p.why[0] ? p.why : "nothing to copy");
+}
+
 static void *loader_main(void *arg)
 {
 	struct load *l = arg;
 	struct ro_agent *a = l->a;
-	struct ro_model_opts mo = {.threads = a->cfg.threads};
+	struct ro_model_opts mo;
 	struct ro_model *m = NULL;
 	char dir[4096], err[4608] = "", why[256];
 	int r;
@@ -58,6 +83,8 @@ static void *loader_main(void *arg)
 	};
 	struct ro_policy_manifest man = {0};
 
+	ro_policy_model_opts(a, &mo);
+
 	/* every file checked against the manifest: in place (file://) or as it downloads */
 	r = ro_policy_manifest_parse(l->manifest ? l->manifest : "", &man, err, sizeof(err));
 	if (!r)
@@ -71,6 +98,8 @@ static void *loader_main(void *arg)
 		m = ro_model_free(m);
 		r = -EINVAL;
 	}
+	if (!r)
+		ro_policy_log_weights(m, "policy");
 	pthread_mutex_lock(&a->mu);
 	if (!r && !a->policy_cancel) {
 		if (a->next_m) /* an older one never swapped in: this one replaces it */
@@ -95,6 +124,7 @@ static void *loader_main(void *arg)
 	else if (!r)
 		ro_log(LOG_INFO, "policy version %lld loaded from %s: swapping at the next step",
 		       (long long)l->version, l->uri);
+
 	{
 		uint64_t one = 1;
 

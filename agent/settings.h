@@ -29,6 +29,7 @@ struct ro_config {
 	uint32_t metrics_interval_ms, status_interval_ms;
 	char *control_socket;
 	uint32_t threads;
+	bool weights_hugepages;
 	int64_t policy_version;
 	uint32_t policy_swap; /* 0 recompute, 1 finish */
 	uint32_t max_policy_lag, policy_rebuild_chunk;

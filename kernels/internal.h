@@ -107,6 +107,7 @@ struct ro_mat {
 	/* F8E4M3: W[r][k] = w[r][k] * scale[(r / 128) * scale_cols + k / 128], in f32 */
 	const float *scale;
 	uint32_t scale_cols;
+	bool mapped; /* w and scale point into the safetensors mapping (loader: huge pages) */
 };
 
 /* y[t][r0..r1) = W[r0..r1) . x[t] for t < T. Every (row, token) dot product runs the same

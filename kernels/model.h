@@ -37,6 +37,16 @@ struct ro_model_config {
 struct ro_model_opts {
 	uint32_t threads; /* 0: one per online CPU */
 	bool scalar;	  /* force the portable kernels (no AVX2/FMA) */
+	/* Copy the linear weights (attention, router, experts, head) out of the file mapping
+	 * into one anonymous region advised for transparent huge pages (2 MiB pages: a TLB
+	 * entry per 2 MiB of a weight stream, not per 4 KiB), read-only, and drop the mapped
+	 * pages they came from. Off, or where THP is disabled ("never"), or if the region
+	 * cannot be had: the weights are read in place from the mapping. Bitwise the same
+	 * results either way. */
+	bool hugepages;
+	/* With hugepages: of the experts, copy only those this rank of an EP group of
+	 * ep_world ranks owns (e % ep_world == ep_rank); 0 or 1: all. */
+	uint32_t ep_rank, ep_world;
 };
 
 struct ro_model;
@@ -54,6 +64,14 @@ bool ro_kernels_cuda_built(void);
 uint32_t ro_model_threads(const struct ro_model *m);
 /* Bytes of weights, total and touched by one token (attention, top_k experts, head). */
 void ro_model_sizes(const struct ro_model *m, uint64_t *ret_total, uint64_t *ret_active);
+/* Weights copied into the huge-page region (0: read from the mapping) and how many bytes
+ * of it the kernel backs with huge pages now (AnonHugePages in /proc/self/smaps; the
+ * kernel may split or collapse them later); why is "" or says why there is no region. */
+struct ro_model_pin {
+	uint64_t bytes, huge_bytes;
+	char why[96];
+};
+void ro_model_pinned(const struct ro_model *m, struct ro_model_pin *ret);
 
 /* (layer, expert) pairs the last forward ran locally: the expert weights it read. */
 uint32_t ro_model_last_experts(const struct ro_model *m);

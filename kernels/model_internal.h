@@ -42,6 +42,10 @@ struct ro_model {
 	size_t ews_len;
 	uint64_t kv_blocks; /* KV blocks held by this model's sequences (atomic) */
 	uint64_t kv_cow;    /* blocks copied on write (atomic) */
+	void *pin;	    /* the huge-page copy of the linear weights (opts.hugepages) */
+	size_t pin_len;
+	uint64_t pin_bytes;
+	char pin_why[96];
 };
 
 /* The KV cache in blocks of RO_KV_BLOCK positions, as vLLM pages it: a block holds

@@ -1,7 +1,14 @@
 /* A small fork-join thread pool for the forward pass: the caller and N-1 workers take
  * indexes of a parallel-for from one atomic counter. Workers spin briefly between jobs
  * (a decode step issues a few hundred back to back) and then sleep on a condition
- * variable, so an idle daemon costs no CPU. */
+ * variable, so an idle daemon costs no CPU.
+ *
+ * A job is done when its last index is done: the caller never waits for a worker that
+ * has not joined it (one descheduled by another process on a busy node, or still asleep),
+ * only for those inside it to leave. Joining is a compare-and-swap on one word, the job's
+ * generation, an open bit and the count of workers inside: a worker enters only an open
+ * job of the generation it read, and the caller, once every index is done, closes the job
+ * and waits for the count to drop to zero before it writes the next job's function. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -11,15 +18,19 @@
 
 #define SPIN_ROUNDS 20000
 
+#define ST_OPEN (1ull << 31)
+#define ST_INSIDE 0x7fffffffull
+#define ST_GEN(s) ((s) >> 32)
+
 struct ro_pool {
 	uint32_t n; /* threads including the caller */
 	pthread_t *th;
 	pthread_mutex_t mu;
 	pthread_cond_t cv;
-	_Atomic uint64_t gen;
-	_Atomic uint32_t next, done, active;
+	_Atomic uint64_t state; /* generation << 32 | ST_OPEN | workers inside */
+	_Atomic uint32_t next, done, sleepers;
 	_Atomic bool stop;
-	uint32_t total;
+	uint32_t total; /* these three: written only while no worker is inside */
 	void (*fn)(void *arg, uint32_t i);
 	void *arg;
 };
@@ -33,37 +44,56 @@ static inline void cpu_relax(void)
 
 static void run_tasks(struct ro_pool *p)
 {
+	const uint32_t total = p->total;
 	uint32_t i;
 
-	while ((i = atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed)) < p->total) {
+	while ((i = atomic_fetch_add_explicit(&p->next, 1, memory_order_relaxed)) < total) {
 		p->fn(p->arg, i);
 		atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
 	}
 }
 
+/* Enter the open job *s says (a CAS that fails reloads *s: the same job with another
+ * count, or a newer job); false once the state read is closed. */
+static bool enter(struct ro_pool *p, uint64_t *s)
+{
+	while (*s & ST_OPEN)
+		if (atomic_compare_exchange_weak_explicit(&p->state, s, *s + 1, memory_order_acquire,
+							  memory_order_acquire))
+			return true;
+	return false;
+}
+
 static void *worker(void *arg)
 {
 	struct ro_pool *p = arg;
-	uint64_t seen = 0;
+	uint64_t seen = ST_GEN(atomic_load(&p->state));
 
 	for (;;) {
-		uint64_t g;
+		uint64_t s;
 		int spins = 0;
 
-		while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen &&
-		       !atomic_load(&p->stop) && spins++ < SPIN_ROUNDS)
+		while (ST_GEN(s = atomic_load_explicit(&p->state, memory_order_acquire)) == seen &&
+		       !atomic_load_explicit(&p->stop, memory_order_relaxed) && spins++ < SPIN_ROUNDS)
 			cpu_relax();
-		if (g == seen && !atomic_load(&p->stop)) {
+		if (ST_GEN(s) == seen && !atomic_load(&p->stop)) {
 			(void)pthread_mutex_lock(&p->mu);
-			while ((g = atomic_load(&p->gen)) == seen && !atomic_load(&p->stop))
+			atomic_fetch_add(&p->sleepers, 1); /* seq_cst: see ro_pool_for */
+			while (ST_GEN(s = atomic_load(&p->state)) == seen && !atomic_load(&p->stop))
 				(void)pthread_cond_wait(&p->cv, &p->mu);
+			atomic_fetch_sub(&p->sleepers, 1);
 			(void)pthread_mutex_unlock(&p->mu);
 		}
 		if (atomic_load(&p->stop))
 			return NULL;
-		seen = g;
+		/* the job it read, or a newer one if that closed meanwhile and the next opened */
+		const bool in = enter(p, &s);
+
+		seen = ST_GEN(s);
+		if (!in)
+			continue; /* it closed: wait for the next */
 		run_tasks(p);
-		atomic_fetch_sub_explicit(&p->active, 1, memory_order_release);
+		atomic_fetch_sub_explicit(&p->state, 1, memory_order_release);
 	}
 }
 
@@ -116,6 +146,8 @@ uint32_t ro_pool_size(const struct ro_pool *p)
 
 void ro_pool_for(struct ro_pool *p, uint32_t n, void (*fn)(void *arg, uint32_t i), void *arg)
 {
+	uint64_t s;
+
 	if (n == 0)
 		return;
 	if (p->n == 1 || n == 1) {
@@ -123,20 +155,26 @@ void ro_pool_for(struct ro_pool *p, uint32_t n, void (*fn)(void *arg, uint32_t i
 			fn(arg, i);
 		return;
 	}
+	/* no worker is inside (the last job waited for them to leave): safe to write */
 	p->fn = fn;
 	p->arg = arg;
 	p->total = n;
 	atomic_store_explicit(&p->next, 0, memory_order_relaxed);
 	atomic_store_explicit(&p->done, 0, memory_order_relaxed);
-	/* every worker joins each job and leaves it before the next is set up, so none can
-	 * take an index of a job with the previous job's function */
-	atomic_store_explicit(&p->active, p->n - 1, memory_order_relaxed);
-	(void)pthread_mutex_lock(&p->mu);
-	atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
-	(void)pthread_cond_broadcast(&p->cv);
-	(void)pthread_mutex_unlock(&p->mu);
+	s = atomic_load_explicit(&p->state, memory_order_relaxed);
+	/* seq_cst, as the sleepers' count below and its increment in worker(): a worker
+	 * either sees this generation before it sleeps, or is counted and woken */
+	atomic_store(&p->state, ((ST_GEN(s) + 1) << 32) | ST_OPEN);
+	if (atomic_load(&p->sleepers)) {
+		(void)pthread_mutex_lock(&p->mu);
+		(void)pthread_cond_broadcast(&p->cv);
+		(void)pthread_mutex_unlock(&p->mu);
+	}
 	run_tasks(p);
-	while (atomic_load_explicit(&p->done, memory_order_acquire) < n ||
-	       atomic_load_explicit(&p->active, memory_order_acquire) > 0)
+	while (atomic_load_explicit(&p->done, memory_order_acquire) < n)
+		cpu_relax();
+	/* close it; then wait for the workers inside to leave (they find no index left) */
+	(void)atomic_fetch_and_explicit(&p->state, ~ST_OPEN, memory_order_acq_rel);
+	while (atomic_load_explicit(&p->state, memory_order_acquire) & ST_INSIDE)
 		cpu_relax();
 }

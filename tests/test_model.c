@@ -449,6 +449,234 @@ Test(model, fp8_is_bitwise_invariant)
 	fp8_invariance("fp8inv");
 }
 
+/* ---- the linear weights in huge pages (ro_model_opts.hugepages) ------------------------- */
+
+static bool thp_never(void)
+{
+	char buf[128] = "";
+	FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "re");
+
+	if (!f)
+		return true;
+	if (!fgets(buf, sizeof(buf), f))
+		buf[0] = 0;
+	(void)fclose(f);
+	return strstr(buf, "[never]") != NULL;
+}
+
+static struct ro_model *load_opts(const char *sub, bool hugepages, uint32_t rank, uint32_t world)
+{
+	struct ro_model_opts mo = {
+	    .threads = 2, .hugepages = hugepages, .ep_rank = rank, .ep_world = world};
+	struct ro_model *m = NULL;
+	char err[512] = "";
+
+	cr_assert_eq(ro_model_load(path(sub), &mo, &m, err, sizeof(err)), 0, "%s", err);
+	return m;
+}
+
+/* Bytes of the linear weights one rank of `world` reads (the experts e % world == rank),
+ * at `size` bytes per parameter: what the loader should copy. */
+static uint64_t linear_bytes(const struct ro_model_config *c, uint32_t rank, uint32_t world,
+			     uint64_t size)
+{
+	const uint64_t H = c->hidden, qd = (uint64_t)c->heads * c->head_dim,
+		       kvd = (uint64_t)c->kv_heads * c->head_dim;
+	uint64_t n = c->tie_embeddings ? 0 : (uint64_t)c->vocab * H;
+
+	for (uint32_t l = 0; l < c->layers; l++) {
+		n += 2 * qd * H + 2 * kvd * H;
+		if (c->dense_layers >> l & 1) {
+			n += 3 * (uint64_t)c->dense_ffn * H;
+			continue;
+		}
+		n += (uint64_t)c->experts * H;
+		for (uint32_t e = 0; e < c->experts; e++)
+			if (e % world == rank)
+				n += 3 * (uint64_t)c->expert_ffn * H;
+	}
+	return n * size;
+}
+
+/* A prefill of 30 tokens in chunks of 11, then a decode step of 5 sequences: every logit. */
+static float *hp_run(struct ro_model *m)
+{
+	const uint32_t V = ro_model_config(m)->vocab;
+	float *out = malloc(6 * (size_t)V * sizeof(float));
+	struct ro_seq *s[5];
+	struct ro_fwd_item it[5];
+	int32_t p[30], tok[5];
+
+	for (int i = 0; i < 30; i++)
+		p[i] = (i * 53 + 11) % (int32_t)V;
+	for (int i = 0; i < 5; i++) {
+		cr_assert_eq(ro_seq_new(m, 64, &s[i]), 0);
+		run_chunks(m, s[i], p + i, 25, 11, i ? out + (size_t)5 * V : out);
+		tok[i] = (i * 19 + 2) % (int32_t)V;
+	}
+	for (int i = 0; i < 5; i++)
+		it[i] = (struct ro_fwd_item){s[i], &tok[i], 1, out + (size_t)(i + 1) * V, false};
+	cr_assert_eq(ro_model_forward(m, it, 5), 0);
+	for (int i = 0; i < 5; i++)
+		ro_seq_free(s[i]);
+	return out;
+}
+
+/* The weights copied into huge pages give bitwise the logits of the mapped ones, for
+ * bf16, f32 with a tied head, FP8 (weights and scales copied) and f16 (widened at load:
+ * nothing left to copy), and for an EP rank that copies only its own experts (the others,
+ * still mapped, read as before). The bytes copied are exactly the linear weights. */
+Test(model, hugepage_weights_are_bitwise_the_mapped_ones)
+{
+	static const struct {
+		const char *sub, *dtype;
+		enum ro_arch arch;
+		bool fp8;
+		uint64_t size;
+	} cases[] = {
+	    {"hpbf", "BF16", RO_ARCH_QWEN3_MOE, false, 2},
+	    {"hpf32", "F32", RO_ARCH_MIXTRAL, false, 4},
+	    {"hpfp8", "FP8", RO_ARCH_QWEN3_MOE, true, 0},
+	    {"hpf16", "F16", RO_ARCH_QWEN3_MOE, false, 0},
+	};
+	const bool never = thp_never();
+
+	for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+		struct ro_model *a, *b;
+		struct ro_model_pin pin;
+		struct ro_model_config cc;
+		const struct ro_model_config *c = &cc;
+		float *la, *lb;
+		uint32_t V;
+
+		if (cases[k].fp8) {
+			make_fp8(cases[k].sub, cases[k].arch);
+		} else {
+			struct ro_make_model_opts o;
+			char err[256];
+
+			ro_make_model_defaults(&o);
+			o.arch = cases[k].arch;
+			o.dtype = cases[k].dtype;
+			o.layers = 3;
+			o.dense_layers = cases[k].arch == RO_ARCH_QWEN3_MOE ? 1ULL << 1 : 0;
+			o.dense_ffn = 96;
+			o.seed = 7;
+			/* f32: the head tied to the embedding, which stays mapped */
+			o.tie_embeddings = !strcmp(cases[k].dtype, "F32");
+			cr_assert_eq(ro_make_model(&o, path(cases[k].sub), err, sizeof(err)), 0,
+				     "%s", err);
+		}
+		a = load_opts(cases[k].sub, false, 0, 1);
+		b = load_opts(cases[k].sub, true, 0, 1);
+		cc = *ro_model_config(b);
+		V = c->vocab;
+		ro_model_pinned(a, &pin);
+		cr_expect_eq(pin.bytes, 0, "%s: off copies nothing", cases[k].sub);
+		ro_model_pinned(b, &pin);
+		if (never) {
+			cr_expect_eq(pin.bytes, 0);
+			cr_expect_neq(strstr(pin.why, "never"), NULL, "%s", pin.why);
+		} else if (!strcmp(cases[k].dtype, "F16")) {
+			cr_expect_eq(pin.bytes, 0, "f16 is widened into owned copies: %s", pin.why);
+		} else if (cases[k].fp8) {
+			/* a byte per weight and the blocks' scales, each rounded to 64 bytes */
+			cr_expect_geq(pin.bytes, linear_bytes(c, 0, 1, 1), "%s", cases[k].sub);
+			cr_expect_lt(pin.bytes, linear_bytes(c, 0, 1, 2), "%s", cases[k].sub);
+		} else {
+			cr_expect_eq(pin.bytes, linear_bytes(c, 0, 1, cases[k].size),
+				     "%s: %llu copied (%s)", cases[k].sub,
+				     (unsigned long long)pin.bytes, pin.why);
+		}
+		la = hp_run(a);
+		lb = hp_run(b);
+		cr_expect_eq(memcmp(la, lb, 6 * (size_t)V * sizeof(float)), 0, "%s: logits differ",
+			     cases[k].sub);
+		free(lb);
+		ro_model_free(b);
+		if (!strcmp(cases[k].dtype, "BF16")) {
+			/* rank 1 of 3: its experts copied, the other two thirds read mapped */
+			b = load_opts(cases[k].sub, true, 1, 3);
+			ro_model_pinned(b, &pin);
+			if (!never)
+				cr_expect_eq(pin.bytes, linear_bytes(c, 1, 3, 2),
+					     "rank 1 of 3: %llu copied, want %llu",
+					     (unsigned long long)pin.bytes,
+					     (unsigned long long)linear_bytes(c, 1, 3, 2));
+			lb = hp_run(b);
+			cr_expect_eq(memcmp(la, lb, 6 * (size_t)V * sizeof(float)), 0,
+				     "rank 1 of 3: logits differ");
+			free(lb);
+			ro_model_free(b);
+		}
+		free(la);
+		ro_model_free(a);
+	}
+}
+
+/* Resident bytes of this process's mappings of files under dir (smaps "Rss:"). */
+static uint64_t mapped_rss(const char *dir)
+{
+	FILE *f = fopen("/proc/self/smaps", "re");
+	char line[1024];
+	bool in = false;
+	uint64_t sum = 0;
+
+	cr_assert_not_null(f);
+	while (fgets(line, sizeof(line), f)) {
+		unsigned long lo, hi;
+		unsigned long long v;
+
+		if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' '))
+			in = strstr(line, dir) != NULL;
+		else if (in && sscanf(line, "Rss: %llu kB", &v) == 1)
+			sum += (uint64_t)v << 10;
+	}
+	(void)fclose(f);
+	return sum;
+}
+
+/* With the weights copied, the pages of the file they came from leave the process (the
+ * loader read all of them to check for NaN): the model is resident once, not twice. */
+Test(model, hugepage_weights_leave_the_mapping)
+{
+	struct ro_make_model_opts o;
+	struct ro_model *m;
+	struct ro_model_pin pin;
+	struct stat st;
+	char err[256], file[300];
+	uint64_t rss_map, rss_pin;
+
+	if (thp_never())
+		cr_skip_test("transparent huge pages are off here (never)");
+	ro_make_model_defaults(&o);
+	o.hidden = 512;
+	o.expert_ffn = 256;
+	o.head_dim = 64;
+	o.heads = 8;
+	o.kv_heads = 2;
+	o.vocab = 128;
+	o.layers = 2;
+	cr_assert_eq(ro_make_model(&o, path("hprss"), err, sizeof(err)), 0, "%s", err);
+	(void)snprintf(file, sizeof(file), "%s/model.safetensors", path("hprss"));
+	cr_assert_eq(stat(file, &st), 0);
+	m = load_opts("hprss", false, 0, 1);
+	rss_map = mapped_rss(path("hprss"));
+	ro_model_free(m);
+	m = load_opts("hprss", true, 0, 1);
+	rss_pin = mapped_rss(path("hprss"));
+	ro_model_pinned(m, &pin);
+	ro_model_free(m);
+	/* in place: every page was read; copied: the embedding (128 x 512 bf16, 128 KiB),
+	 * the header and the pages that two tensors share stay */
+	cr_expect_geq(rss_map, (uint64_t)st.st_size * 9 / 10, "mapped: %llu of %lld",
+		      (unsigned long long)rss_map, (long long)st.st_size);
+	cr_expect_geq(pin.bytes, (uint64_t)st.st_size * 9 / 10, "copied %llu of %lld",
+		      (unsigned long long)pin.bytes, (long long)st.st_size);
+	cr_expect_lt(rss_pin, (uint64_t)st.st_size / 10, "copied: %llu of %lld still mapped",
+		     (unsigned long long)rss_pin, (long long)st.st_size);
+}
+
 /* The AVX2+FMA kernels (RO_KERNELS=avx2 caps an AVX-512 machine at them): FP8 and bf16
  * against the reference, FP8 batch and chunk invariance. */
 Test(model, avx2_kernels_match_reference)

@@ -17,6 +17,7 @@
  *                [--only decode|chunked|inflight] [--prefill-chunk C] [--long-prompt N]
  *                [--chunk-batches 8,32] [--chunk-steps S]
  *                [--inflight UNITSxN,PROMPT,MAX_NEW,STEPS (8x8,512,32768,32)]
+ *                [--weights hugepages|map (hugepages: as rolloutd loads them)]
  *
  * In flight: the resident memory of UNITS x N samples decoding at once (each unit's
  * prompt prefilled once and forked N ways), beside a cache copied per sample. */
@@ -577,6 +578,7 @@ int main(int argc, char **argv)
 	    {"chunk-steps", required_argument, NULL, 'S'},
 	    {"fp8", no_argument, NULL, 'F'},
 	    {"inflight", required_argument, NULL, 'i'},
+	    {"weights", required_argument, NULL, 'w'},
 	    {0},
 	};
 	const char *dir = "/tmp/rolloutd-decode-bench-model";
@@ -587,12 +589,13 @@ int main(int argc, char **argv)
 	bool run_decode = true, run_chunked = true, run_inflight = true;
 	/* units, samples per unit, prompt, max_new_tokens, decoded tokens */
 	uint32_t inf[5] = {8, 8, 512, 32768, 32};
-	struct ro_model_opts mo = {0};
+	struct ro_model_opts mo = {.hugepages = true}; /* as rolloutd loads it */
+	struct ro_model_pin pin;
 	struct ro_model *m;
 	const struct ro_model_config *c;
 	struct shape sh;
 	char err[512];
-	double bw, fl, fl512;
+	double bw, fl, fl512, t_load;
 	uint64_t total, active;
 	int ch;
 
@@ -636,6 +639,10 @@ int main(int argc, char **argv)
 			ck.steps = (uint32_t)atoi(optarg);
 		} else if (ch == 'F') {
 			fp8 = true;
+		} else if (ch == 'w') {
+			if (strcmp(optarg, "map") && strcmp(optarg, "hugepages"))
+				return 2;
+			mo.hugepages = !strcmp(optarg, "hugepages");
 		} else {
 			return 2;
 		}
@@ -655,10 +662,12 @@ int main(int argc, char **argv)
 	    ro_bench_model_ensure_dtype("decode_bench", dir, 2026, fp8 ? "FP8" : "BF16"))
 		return 1;
 	mo.threads = threads;
+	t_load = now();
 	if (ro_model_load(dir, &mo, &m, err, sizeof(err))) {
 		(void)fprintf(stderr, "decode_bench: %s\n", err);
 		return 1;
 	}
+	t_load = now() - t_load;
 	c = ro_model_config(m);
 	shape_of(c, &sh);
 	ro_model_sizes(m, &total, &active);
@@ -668,6 +677,16 @@ int main(int argc, char **argv)
 		     "%u threads\n",
 		     dir, c->layers, c->hidden, c->experts, c->top_k, c->expert_ffn, c->vocab,
 		     c->dtype, total / 1e9, active / 1e9, ro_model_kernels(m), threads);
+	ro_model_pinned(m, &pin);
+	if (pin.bytes)
+		(void)printf("       weights: %.3f GB copied into huge pages, %.3f GB of them in 2 MiB "
+			     "pages%s%s; loaded in %.2f s\n",
+			     pin.bytes / 1e9, pin.huge_bytes / 1e9, pin.why[0] ? "; " : "", pin.why,
+			     t_load);
+	else
+		(void)printf("       weights: read from the mapped files (huge pages: %s); loaded in "
+			     "%.2f s\n",
+			     pin.why[0] ? pin.why : "none to copy", t_load);
 	if (run_decode) {
 		(void)fprintf(stderr, "decode_bench: measuring the machine (%u threads) ...\n",
 			      threads);
