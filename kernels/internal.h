@@ -33,6 +33,9 @@ size_t ro_st_count(const struct ro_st_set *s);
 const struct ro_tensor *ro_st_at(const struct ro_st_set *s, size_t i);
 size_t ro_st_index(const struct ro_st_set *s, const struct ro_tensor *t);
 const char *ro_st_file(const struct ro_st_set *s, const struct ro_tensor *t);
+/* A tensor's bytes read (pread) from the file it is mapped from into dst: for a copy, at
+ * a fraction of the cost of faulting the mapping in 4 KiB at a time. */
+int ro_st_read(const struct ro_st_set *s, const struct ro_tensor *t, void *dst);
 
 size_t ro_dtype_size(enum ro_dtype t);
 
@@ -107,7 +110,9 @@ struct ro_mat {
 	/* F8E4M3: W[r][k] = w[r][k] * scale[(r / 128) * scale_cols + k / 128], in f32 */
 	const float *scale;
 	uint32_t scale_cols;
-	bool mapped; /* w and scale point into the safetensors mapping (loader: huge pages) */
+	/* the tensors w and scale are, in place in their mapping; NULL once copied or owned
+	 * (the loader's huge pages) */
+	const struct ro_tensor *src, *src_scale;
 };
 
 /* y[t][r0..r1) = W[r0..r1) . x[t] for t < T. Every (row, token) dot product runs the same

@@ -484,7 +484,7 @@ static int mat(struct ro_model *m, const char *name, uint32_t rows, uint32_t col
 	ret->cols = cols;
 	ret->scale = NULL;
 	ret->scale_cols = 0;
-	ret->mapped = false;
+	ret->src = ret->src_scale = NULL;
 	if (t->dtype == RO_F8E4M3) {
 		const struct ro_tensor *s;
 		const uint32_t sr = (rows + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK,
@@ -508,7 +508,8 @@ static int mat(struct ro_model *m, const char *name, uint32_t rows, uint32_t col
 		ret->dtype = RO_F8E4M3;
 		ret->scale = s->data;
 		ret->scale_cols = sc;
-		ret->mapped = true;
+		ret->src = t;
+		ret->src_scale = s;
 		return 0;
 	}
 	if (t->dtype == RO_F16) { /* no f16 kernel: widen once */
@@ -525,7 +526,7 @@ static int mat(struct ro_model *m, const char *name, uint32_t rows, uint32_t col
 	}
 	ret->w = t->data;
 	ret->dtype = t->dtype;
-	ret->mapped = true;
+	ret->src = t;
 	return 0;
 }
 
@@ -611,55 +612,109 @@ static int load_layer(struct ro_model *m, uint32_t l, char *err, size_t errlen)
 
 struct scan {
 	const struct ro_tensor **t;
-	uint64_t *bad; /* per tensor: first non-finite element + 1, or 0 */
+	const void **data; /* what is scanned of each: its mapping, or the huge-page copy */
+	uint64_t *bad;	   /* per tensor: first non-finite element + 1, or 0 */
 };
+
+/* Whether element k of data (of dtype dt) is NaN or infinite. */
+static bool non_finite(enum ro_dtype dt, const void *data, uint64_t k)
+{
+	if (dt == RO_F32) {
+		uint32_t u;
+
+		memcpy(&u, (const uint8_t *)data + 4 * k, 4);
+		return (u & 0x7f800000u) == 0x7f800000u;
+	}
+	if (dt == RO_F8E4M3) /* e4m3fn has no infinity; 0x7f and 0xff are NaN */
+		return (((const uint8_t *)data)[k] & 0x7f) == 0x7f;
+	{
+		const uint16_t h = ((const uint16_t *)data)[k];
+
+		return dt == RO_BF16 ? (h & 0x7f80u) == 0x7f80u : (h & 0x7c00u) == 0x7c00u;
+	}
+}
+
+/* Chunks of SCAN_CHUNK elements are tested 8 bytes at a time (the scan reads every weight
+ * once at load, ~1.8 GB for the bench model: an element at a time it took 1.5 s), and
+ * only a chunk that holds a bad element is searched for the first one. A lane is
+ * non-finite when its exponent bits (mask E) are all set: (w & E) ^ E has a zero lane
+ * then, and no other (the lanes' top bits are clear in E), which the usual zero-lane
+ * test finds exactly. */
+#define SCAN_CHUNK 4096
+
+static bool chunk_bad(enum ro_dtype dt, const void *data, uint64_t k0, uint64_t n)
+{
+	const size_t es = ro_dtype_size(dt);
+	const uint8_t *p = (const uint8_t *)data + k0 * es;
+	const uint64_t words = n * es / 8;
+	uint64_t E, lo, hi, bad = 0;
+
+	if (dt == RO_F32) {
+		E = 0x7f8000007f800000ull;
+		lo = 0x0000000100000001ull;
+	} else if (dt == RO_F8E4M3) {
+		E = 0x7f7f7f7f7f7f7f7full;
+		lo = 0x0101010101010101ull;
+	} else {
+		E = dt == RO_BF16 ? 0x7f807f807f807f80ull : 0x7c007c007c007c00ull;
+		lo = 0x0001000100010001ull;
+	}
+	hi = lo << (8 * es - 1);
+	for (uint64_t i = 0; i < words; i++) {
+		uint64_t w, y;
+
+		memcpy(&w, p + 8 * i, 8);
+		y = (w & E) ^ E;
+		bad |= (y - lo) & ~y & hi;
+	}
+	for (uint64_t k = words * 8 / es; k < n && !bad; k++)
+		bad = non_finite(dt, data, k0 + k);
+	return bad != 0;
+}
 
 static void scan_one(void *arg, uint32_t i)
 {
 	struct scan *sc = arg;
 	const struct ro_tensor *t = sc->t[i];
+	const void *d = sc->data[i];
 	const uint64_t n = t->bytes / ro_dtype_size(t->dtype);
 
-	for (uint64_t k = 0; k < n; k++) {
-		bool inf_nan;
+	for (uint64_t k0 = 0; k0 < n; k0 += SCAN_CHUNK) {
+		const uint64_t c = n - k0 < SCAN_CHUNK ? n - k0 : SCAN_CHUNK;
 
-		if (t->dtype == RO_F32) {
-			uint32_t u;
-
-			memcpy(&u, (const uint8_t *)t->data + 4 * k, 4);
-			inf_nan = (u & 0x7f800000u) == 0x7f800000u;
-		} else if (t->dtype == RO_F8E4M3) {
-			/* e4m3fn has no infinity; 0x7f and 0xff are NaN */
-			inf_nan = (((const uint8_t *)t->data)[k] & 0x7f) == 0x7f;
-		} else {
-			const uint16_t h = ((const uint16_t *)t->data)[k];
-
-			inf_nan = t->dtype == RO_BF16 ? (h & 0x7f80u) == 0x7f80u
-						      : (h & 0x7c00u) == 0x7c00u;
-		}
-		if (inf_nan) {
-			sc->bad[i] = k + 1;
-			return;
-		}
+		if (!chunk_bad(t->dtype, d, k0, c))
+			continue;
+		for (uint64_t k = k0; k < k0 + c; k++)
+			if (non_finite(t->dtype, d, k)) {
+				sc->bad[i] = k + 1;
+				return;
+			}
 	}
 }
 
 /* NaN or infinity anywhere in a weight the model reads makes every logit downstream
- * meaningless: refused at load, with the tensor and the element named. */
-static int check_finite(struct ro_model *m, char *err, size_t errlen)
+ * meaningless: refused at load, with the tensor and the element named. copy[i], where
+ * not NULL, is tensor i's huge-page copy: scanned instead of its mapping, which is then
+ * never touched. */
+static int check_finite(struct ro_model *m, const void *const *copy, char *err, size_t errlen)
 {
 	const size_t n = ro_st_count(m->st);
-	struct scan sc = {.t = calloc(n, sizeof(*sc.t)), .bad = calloc(n, sizeof(*sc.bad))};
+	struct scan sc = {.t = calloc(n, sizeof(*sc.t)),
+			  .data = calloc(n, sizeof(*sc.data)),
+			  .bad = calloc(n, sizeof(*sc.bad))};
 	uint32_t k = 0;
 	int r = 0;
 
-	if (!sc.t || !sc.bad) {
+	if (!sc.t || !sc.data || !sc.bad) {
 		r = -ENOMEM;
 		goto out;
 	}
 	for (size_t i = 0; i < n; i++)
-		if (m->used[i])
-			sc.t[k++] = ro_st_at(m->st, i);
+		if (m->used[i]) {
+			sc.t[k] = ro_st_at(m->st, i);
+			sc.data[k] = copy && copy[i] ? copy[i] : sc.t[k]->data;
+			k++;
+		}
 	ro_pool_for(m->pool, k, scan_one, &sc);
 	for (uint32_t i = 0; i < k && !r; i++)
 		if (sc.bad[i]) {
@@ -669,13 +724,14 @@ static int check_finite(struct ro_model *m, char *err, size_t errlen)
 							  : ro_elem(t, sc.bad[i] - 1);
 
 			if (t->dtype == RO_F32)
-				memcpy(&v, (const uint8_t *)t->data + 4 * (sc.bad[i] - 1), 4);
+				memcpy(&v, (const uint8_t *)sc.data[i] + 4 * (sc.bad[i] - 1), 4);
 			r = ro_errf(err, errlen, -EINVAL, "%s: tensor %s: element %llu is %s",
 				    ro_st_file(m->st, t), t->name,
 				    (unsigned long long)(sc.bad[i] - 1), isnan(v) ? "NaN" : "infinite");
 		}
 out:
 	free(sc.t);
+	free(sc.data);
 	free(sc.bad);
 	return r;
 }
@@ -710,9 +766,10 @@ static int check_all_used(struct ro_model *m, char *err, size_t errlen)
  * A decode step streams every expert it runs once: ~1.6 GB at batch 32 for the bench model,
  * read through the page cache's 4 KiB pages, a TLB miss and page walk every 4 KiB of each
  * stream. One anonymous region advised MADV_HUGEPAGE holds the same bytes in 2 MiB pages.
- * The mapped pages the copies came from are dropped from this process (MADV_DONTNEED on a
- * read-only private file mapping: touched again, they would fault back in from the file),
- * so the weights are resident once, and the region is made read-only. */
+ * They are read into it from the files (pread: faulting the mapping in 4 KiB at a time
+ * costs twice as much as the copy), so the mapped pages of the copied tensors are never
+ * touched and the weights are resident once; the NaN scan then reads the copy. The region
+ * is made read-only. */
 
 #define PIN_ALIGN 64
 #define HUGE_PAGE (2u << 20)
@@ -722,30 +779,23 @@ struct pin_job {
 	uint64_t *off; /* of each mat's weights in the region; its scales follow */
 	size_t n, cap;
 	uint8_t *base;
-	long page;
+	const struct ro_st_set *st;
 };
-
-static uint64_t pin_wbytes(const struct ro_mat *w)
-{
-	return (uint64_t)w->rows * w->cols * ro_dtype_size(w->dtype);
-}
-
-static uint64_t pin_sbytes(const struct ro_mat *w)
-{
-	return w->scale ? (uint64_t)((w->rows + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK) * w->scale_cols *
-			      sizeof(float)
-			: 0;
-}
 
 static uint64_t pin_round(uint64_t n)
 {
 	return (n + PIN_ALIGN - 1) / PIN_ALIGN * PIN_ALIGN;
 }
 
+static uint64_t pin_size(const struct ro_mat *w)
+{
+	return pin_round(w->src->bytes) + (w->src_scale ? pin_round(w->src_scale->bytes) : 0);
+}
+
 static int pin_add(struct pin_job *j, struct ro_mat *w)
 {
-	if (!w->mapped || !w->w)
-		return 0;
+	if (!w->src)
+		return 0; /* owned (f16 widened): not in the mapping */
 	if (j->n == j->cap) {
 		size_t cap = j->cap ? 2 * j->cap : 256;
 		struct ro_mat **m = realloc(j->mat, cap * sizeof(*m));
@@ -783,29 +833,23 @@ static int pin_collect(struct ro_model *m, const struct ro_model_opts *o, struct
 	return r;
 }
 
-/* Drop this process's mapped pages wholly inside [p, p + len). */
-static void pin_drop(const void *p, uint64_t len, long page)
+/* From the file; should a read fail (a file shortened since it was mapped), from the
+ * mapping, which then reports what it does (SIGBUS past the end, as any mapped load). */
+static void pin_one(const struct ro_st_set *st, const struct ro_tensor *t, uint8_t *d)
 {
-	uintptr_t a = ((uintptr_t)p + (uintptr_t)page - 1) & ~((uintptr_t)page - 1),
-		  b = ((uintptr_t)p + len) & ~((uintptr_t)page - 1);
-
-	if (b > a)
-		(void)madvise((void *)a, b - a, MADV_DONTNEED);
+	if (ro_st_read(st, t, d))
+		memcpy(d, t->data, t->bytes);
 }
 
 static void pin_copy(void *arg, uint32_t i)
 {
 	struct pin_job *j = arg;
-	struct ro_mat *w = j->mat[i];
+	const struct ro_mat *w = j->mat[i];
 	uint8_t *d = j->base + j->off[i];
-	const uint64_t wb = pin_wbytes(w), sb = pin_sbytes(w);
 
-	memcpy(d, w->w, wb);
-	pin_drop(w->w, wb, j->page);
-	if (sb) {
-		memcpy(d + pin_round(wb), w->scale, sb);
-		pin_drop(w->scale, sb, j->page);
-	}
+	pin_one(j->st, w->src, d);
+	if (w->src_scale)
+		pin_one(j->st, w->src_scale, d + pin_round(w->src->bytes));
 }
 
 /* "always [madvise] never" -> whether MADV_HUGEPAGE can get huge pages */
@@ -830,11 +874,12 @@ static bool thp_enabled(char *why, size_t len)
 	return true;
 }
 
-/* Never fails the load: without a region the weights stay where they are (pin_why says
- * why). */
-static int pin_weights(struct ro_model *m, const struct ro_model_opts *o)
+/* Copies the weights and fills copy[] (per tensor index: where its copy is) for the NaN
+ * scan. Never fails the load for want of a region: the weights then stay where they are
+ * (pin_why says why). */
+static int pin_weights(struct ro_model *m, const struct ro_model_opts *o, const void **copy)
 {
-	struct pin_job j = {.page = sysconf(_SC_PAGESIZE)};
+	struct pin_job j = {.st = m->st};
 	uint64_t total = 0;
 	size_t len;
 	uint8_t *raw;
@@ -842,8 +887,6 @@ static int pin_weights(struct ro_model *m, const struct ro_model_opts *o)
 
 	if (!thp_enabled(m->pin_why, sizeof(m->pin_why)))
 		return 0;
-	if (j.page <= 0)
-		j.page = 4096;
 	r = pin_collect(m, o, &j);
 	if (!r && j.n && !(j.off = malloc(j.n * sizeof(*j.off))))
 		r = -ENOMEM;
@@ -851,7 +894,7 @@ static int pin_weights(struct ro_model *m, const struct ro_model_opts *o)
 		goto out;
 	for (size_t i = 0; i < j.n; i++) {
 		j.off[i] = total;
-		total += pin_round(pin_wbytes(j.mat[i])) + pin_round(pin_sbytes(j.mat[i]));
+		total += pin_size(j.mat[i]);
 	}
 	len = (size_t)((total + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
 	/* one huge page more, to start the region on a 2 MiB boundary */
@@ -865,19 +908,23 @@ static int pin_weights(struct ro_model *m, const struct ro_model_opts *o)
 	j.base = (uint8_t *)(((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
 	if (j.base > raw)
 		(void)munmap(raw, (size_t)(j.base - raw));
-	if (raw + HUGE_PAGE > j.base)
-		(void)munmap(j.base + len, (size_t)(raw + HUGE_PAGE - j.base));
+	(void)munmap(j.base + len, (size_t)(raw + HUGE_PAGE - j.base));
 	if (madvise(j.base, len, MADV_HUGEPAGE))
 		(void)snprintf(m->pin_why, sizeof(m->pin_why), "madvise(MADV_HUGEPAGE): %s",
 			       strerror(errno)); /* still one contiguous copy: kept */
 	ro_pool_for(m->pool, (uint32_t)j.n, pin_copy, &j);
 	for (size_t i = 0; i < j.n; i++) {
 		struct ro_mat *w = j.mat[i];
+		const uint8_t *d = j.base + j.off[i];
 
-		w->w = j.base + j.off[i];
-		if (w->scale)
-			w->scale = (const float *)(j.base + j.off[i] + pin_round(pin_wbytes(w)));
-		w->mapped = false;
+		copy[ro_st_index(m->st, w->src)] = d;
+		w->w = d;
+		if (w->src_scale) {
+			d += pin_round(w->src->bytes);
+			copy[ro_st_index(m->st, w->src_scale)] = d;
+			w->scale = (const float *)d;
+		}
+		w->src = w->src_scale = NULL;
 	}
 	(void)mprotect(j.base, len, PROT_READ);
 	m->pin = j.base;
@@ -918,6 +965,7 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 		  char *err, size_t errlen)
 {
 	struct ro_model *m = calloc(1, sizeof(*m));
+	const void **copy = NULL;
 	long ncpu;
 	uint32_t threads;
 	int r;
@@ -983,16 +1031,20 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 	r = ro_pool_new(threads, &m->pool);
 	if (r)
 		goto fail;
-	r = check_finite(m, err, errlen);
+	copy = calloc(ro_st_count(m->st) + 1, sizeof(*copy));
+	if (!copy) {
+		r = -ENOMEM;
+		goto fail;
+	}
+	if (o && o->hugepages)
+		r = pin_weights(m, o, copy);
+	else
+		(void)snprintf(m->pin_why, sizeof(m->pin_why), "off");
+	if (!r)
+		r = check_finite(m, copy, err, errlen);
+	free(copy);
 	if (r)
 		goto fail;
-	if (o && o->hugepages) {
-		r = pin_weights(m, o);
-		if (r)
-			goto fail;
-	} else {
-		(void)snprintf(m->pin_why, sizeof(m->pin_why), "off");
-	}
 	m->dir = NULL;
 	*ret = m;
 	return 0;

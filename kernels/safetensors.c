@@ -21,6 +21,7 @@
 struct st_file {
 	void *map;
 	size_t size;
+	int fd;	    /* kept open: ro_st_read reads the very file that is mapped */
 	char *name; /* the file's name in the directory */
 };
 
@@ -369,11 +370,14 @@ static int open_file(struct ro_st_set *s, const char *path, char *err, size_t er
 	f = &s->files[s->n_files];
 	f->size = (size_t)st.st_size;
 	f->map = mmap(NULL, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
-	(void)close(fd);
 	if (f->map == MAP_FAILED) {
+		const int e = errno;
+
+		(void)close(fd);
 		f->map = NULL;
-		return ro_errf(err, errlen, -errno, "%s: mmap: %s", path, strerror(errno));
+		return ro_errf(err, errlen, -e, "%s: mmap: %s", path, strerror(e));
 	}
+	f->fd = fd;
 	f->name = strdup(strrchr(path, '/') ? strrchr(path, '/') + 1 : path);
 	s->n_files++;
 	if (!f->name)
@@ -537,9 +541,11 @@ struct ro_st_set *ro_st_free(struct ro_st_set *s)
 {
 	if (!s)
 		return NULL;
-	for (size_t i = 0; i < s->n_files; i++)
+	for (size_t i = 0; i < s->n_files; i++) {
 		if (s->files[i].map)
 			(void)munmap(s->files[i].map, s->files[i].size);
+		(void)close(s->files[i].fd);
+	}
 	for (size_t i = 0; i < s->n_files; i++)
 		free(s->files[i].name);
 	for (size_t i = 0; i < s->n; i++)
@@ -580,6 +586,27 @@ size_t ro_st_index(const struct ro_st_set *s, const struct ro_tensor *t)
 const struct ro_tensor *ro_st_at(const struct ro_st_set *s, size_t i)
 {
 	return i < s->n ? &s->t[i] : NULL;
+}
+
+int ro_st_read(const struct ro_st_set *s, const struct ro_tensor *t, void *dst)
+{
+	const struct st_file *f = &s->files[t->file];
+	const off_t off = (off_t)((const uint8_t *)t->data - (const uint8_t *)f->map);
+	uint64_t got = 0;
+
+	while (got < t->bytes) {
+		const size_t want = t->bytes - got > (1u << 30) ? 1u << 30 : (size_t)(t->bytes - got);
+		const ssize_t r = pread(f->fd, (uint8_t *)dst + got, want, off + (off_t)got);
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r < 0)
+			return -errno;
+		if (r == 0)
+			return -EBADMSG; /* shorter than when it was mapped */
+		got += (uint64_t)r;
+	}
+	return 0;
 }
 
 const char *ro_st_file(const struct ro_st_set *s, const struct ro_tensor *t)
