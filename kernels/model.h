@@ -37,10 +37,10 @@ struct ro_model_config {
 struct ro_model_opts {
 	uint32_t threads; /* 0: one per online CPU */
 	bool scalar;	  /* force the portable kernels (no AVX2/FMA) */
-	/* Copy the linear weights (attention, router, experts, head) out of the file mapping
-	 * into one anonymous region advised for transparent huge pages (2 MiB pages: a TLB
-	 * entry per 2 MiB of a weight stream, not per 4 KiB), read-only, and drop the mapped
-	 * pages they came from. Off, or where THP is disabled ("never"), or if the region
+	/* Read the linear weights (attention, router, experts, head) from the files into one
+	 * anonymous region advised for transparent huge pages (2 MiB pages: a TLB entry per
+	 * 2 MiB of a weight stream, not per 4 KiB), read-only; their mapped pages are never
+	 * touched. Off, or where THP is disabled ("never"), or if the region
 	 * cannot be had: the weights are read in place from the mapping. Bitwise the same
 	 * results either way. */
 	bool hugepages;

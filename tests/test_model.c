@@ -636,8 +636,9 @@ static uint64_t mapped_rss(const char *dir)
 	return sum;
 }
 
-/* With the weights copied, the pages of the file they came from leave the process (the
- * loader read all of them to check for NaN): the model is resident once, not twice. */
+/* With the weights copied, the pages of the file they came from never enter the process
+ * (read into the region with pread, the NaN scan reading the copy), where in place every
+ * page is (the scan reads them all): the model is resident once, not twice. */
 Test(model, hugepage_weights_leave_the_mapping)
 {
 	struct ro_make_model_opts o;
@@ -668,7 +669,7 @@ Test(model, hugepage_weights_leave_the_mapping)
 	ro_model_pinned(m, &pin);
 	ro_model_free(m);
 	/* in place: every page was read; copied: the embedding (128 x 512 bf16, 128 KiB),
-	 * the header and the pages that two tensors share stay */
+	 * the norms and the header are all that is read through the mapping */
 	cr_expect_geq(rss_map, (uint64_t)st.st_size * 9 / 10, "mapped: %llu of %lld",
 		      (unsigned long long)rss_map, (long long)st.st_size);
 	cr_expect_geq(pin.bytes, (uint64_t)st.st_size * 9 / 10, "copied %llu of %lld",
