@@ -124,7 +124,6 @@ static void *loader_main(void *arg)
 	else if (!r)
 		ro_log(LOG_INFO, "policy version %lld loaded from %s: swapping at the next step",
 		       (long long)l->version, l->uri);
-
 	{
 		uint64_t one = 1;
 

@@ -1031,15 +1031,12 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 	r = ro_pool_new(threads, &m->pool);
 	if (r)
 		goto fail;
-	copy = calloc(ro_st_count(m->st) + 1, sizeof(*copy));
-	if (!copy) {
-		r = -ENOMEM;
-		goto fail;
-	}
-	if (o && o->hugepages)
-		r = pin_weights(m, o, copy);
-	else
+	if (o && o->hugepages) {
+		copy = calloc(ro_st_count(m->st) + 1, sizeof(*copy));
+		r = copy ? pin_weights(m, o, copy) : -ENOMEM;
+	} else {
 		(void)snprintf(m->pin_why, sizeof(m->pin_why), "off");
+	}
 	if (!r)
 		r = check_finite(m, copy, err, errlen);
 	free(copy);
