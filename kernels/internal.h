@@ -130,3 +130,21 @@ const char *ro_kernels_name(void);
 bool ro_kernels_avx2(void);
 /* The AVX-512 kernels are in use. */
 bool ro_kernels_avx512(void);
+/* AMX-BF16 runs the bf16 matrices it fits (kernels/cpu/amx.c). */
+bool ro_kernels_amx(void);
+/* The CPU has AMX-BF16 (and AVX512-BF16) and the kernel granted this process its tile
+ * state. */
+bool ro_amx_available(void);
+/* W runs on AMX when it is in use: bf16, inputs a multiple of 32, at least 16 rows. */
+bool ro_amx_fits(const struct ro_mat *W);
+/* ro_gemm_ptrs on AMX; -1 (nothing written) when its packing buffer cannot be had. */
+int ro_gemm_amx(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
+		uint32_t r0, uint32_t r1);
+/* Two matrices of the same shape on the same inputs (an expert's gate and up), the inputs
+ * prepared once; -1 as ro_gemm_amx. */
+int ro_gemm_amx2(const struct ro_mat *W1, const struct ro_mat *W2, const float *const *x,
+		 uint32_t T, float *const *y1, float *const *y2, uint32_t r0, uint32_t r1);
+/* ro_gemm_ptrs for W1 into y1 and W2 into y2 (same shape, same inputs): bitwise the two
+ * calls, with the inputs prepared once where the kernel prepares them. */
+void ro_gemm_ptrs2(const struct ro_mat *W1, const struct ro_mat *W2, const float *const *x,
+		   uint32_t T, float *const *y1, float *const *y2, uint32_t r0, uint32_t r1);

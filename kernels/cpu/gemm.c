@@ -22,7 +22,8 @@
 #define HAVE_X86 0
 #endif
 
-/* 0 portable, 1 AVX2+FMA, 2 AVX-512 (F, BW, DQ, VL); -1 until first asked */
+/* 0 portable, 1 AVX2+FMA, 2 AVX-512 (F, BW, DQ, VL), 3 that and AMX-BF16 for the bf16
+ * matrices it fits (amx.c); -1 until first asked */
 static int kern = -1;
 
 bool ro_cpu_has_avx2(void)
@@ -47,14 +48,17 @@ static bool cpu_has_avx512(void)
 #endif
 }
 
-/* The best the CPU has, capped by RO_KERNELS ("avx2" or "scalar"; anything else: no cap),
- * read at each model load: to run, and test, the AVX2 path on an AVX-512 machine. */
+/* The best the CPU has, capped by RO_KERNELS ("avx512", "avx2" or "scalar"; anything else:
+ * no cap), read at each model load: to run, and test, the slower paths on a machine with
+ * the faster ones. */
 static int kern_best(void)
 {
 	const char *cap = getenv("RO_KERNELS");
-	int best = cpu_has_avx512() ? 2 : ro_cpu_has_avx2() ? 1 : 0;
+	int best = cpu_has_avx512() ? (ro_amx_available() ? 3 : 2) : ro_cpu_has_avx2() ? 1 : 0;
 
-	if (cap && !strcmp(cap, "avx2") && best > 1)
+	if (cap && !strcmp(cap, "avx512") && best > 2)
+		best = 2;
+	else if (cap && !strcmp(cap, "avx2") && best > 1)
 		best = 1;
 	else if (cap && !strcmp(cap, "scalar"))
 		best = 0;
@@ -80,12 +84,18 @@ bool ro_kernels_avx2(void)
 
 bool ro_kernels_avx512(void)
 {
-	return kern_get() == 2;
+	return kern_get() >= 2;
+}
+
+bool ro_kernels_amx(void)
+{
+	return kern_get() == 3;
 }
 
 const char *ro_kernels_name(void)
 {
-	static const char *const names[] = {"scalar", "avx2+fma", "avx512+fma"};
+	static const char *const names[] = {"scalar", "avx2+fma", "avx512+fma",
+					    "amx-bf16+avx512+fma"};
 
 	return names[kern_get()];
 }
@@ -500,6 +510,12 @@ void ro_gemm_ptrs(const struct ro_mat *W, const float *const *x, uint32_t T, flo
 {
 #if HAVE_X86
 	switch (kern_get()) {
+	case 3:
+		/* a matrix AMX fits always runs there (batch invariance); only a failed
+		 * allocation of the packing buffer falls back */
+		if (ro_amx_fits(W) && !ro_gemm_amx(W, x, T, y, r0, r1))
+			return;
+		/* fall through */
 	case 2:
 		gemm_avx512(W, x, T, y, r0, r1);
 		return;
@@ -509,6 +525,16 @@ void ro_gemm_ptrs(const struct ro_mat *W, const float *const *x, uint32_t T, flo
 	}
 #endif
 	gemm_scalar(W, x, T, y, r0, r1);
+}
+
+void ro_gemm_ptrs2(const struct ro_mat *W1, const struct ro_mat *W2, const float *const *x,
+		   uint32_t T, float *const *y1, float *const *y2, uint32_t r0, uint32_t r1)
+{
+	if (kern_get() == 3 && ro_amx_fits(W1) && ro_amx_fits(W2) && W1->cols == W2->cols &&
+	    W1->rows == W2->rows && !ro_gemm_amx2(W1, W2, x, T, y1, y2, r0, r1))
+		return;
+	ro_gemm_ptrs(W1, x, T, y1, r0, r1);
+	ro_gemm_ptrs(W2, x, T, y2, r0, r1);
 }
 
 /* Strided rows as pointers, GEMM_TOK tokens at a time (the pointers on the stack): a token

@@ -85,7 +85,8 @@ void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids
 }
 
 /* Rows of W per task: gate and up in panels of PANEL_GU rows (of each), down in panels of
- * PANEL_D output rows. An expert's weights are streamed once per step for all of its rows,
+ * PANEL_D output rows; on AMX a task takes an expert's whole gate and up, or its whole down,
+ * so that its tokens are packed for the tiles once (ro_gemm_ptrs2) rather than per panel. An expert's weights are streamed once per step for all of its rows,
  * and threads take different (expert, panel) pairs, so they read different weights. */
 #define PANEL_GU 64
 #define PANEL_D 128
@@ -96,6 +97,7 @@ struct moe_task {
 	const uint32_t *off; /* expert e's rows are [off[e], off[e + 1]) of the grouped order */
 	const uint32_t *act; /* the experts with rows, in index order */
 	uint32_t n_gu, n_d;  /* panels per expert */
+	uint32_t p_gu, p_d;  /* rows per panel */
 	const float **xp;    /* grouped row -> its input */
 	float **gp, **up;    /* grouped row -> its gate and up rows (scratch) */
 	float **yp;	     /* grouped row -> its output */
@@ -107,11 +109,10 @@ static void gate_up_task(void *arg, uint32_t i)
 {
 	const struct moe_task *k = arg;
 	const uint32_t e = k->act[i / k->n_gu], p = i % k->n_gu;
-	const uint32_t r0 = p * PANEL_GU, r1 = r0 + PANEL_GU < k->F ? r0 + PANEL_GU : k->F;
+	const uint32_t r0 = p * k->p_gu, r1 = r0 + k->p_gu < k->F ? r0 + k->p_gu : k->F;
 	const uint32_t a = k->off[e], n = k->off[e + 1] - a;
 
-	ro_gemm_ptrs(&k->L->gate[e], k->xp + a, n, k->gp + a, r0, r1);
-	ro_gemm_ptrs(&k->L->up[e], k->xp + a, n, k->up + a, r0, r1);
+	ro_gemm_ptrs2(&k->L->gate[e], &k->L->up[e], k->xp + a, n, k->gp + a, k->up + a, r0, r1);
 	for (uint32_t j = 0; j < n; j++)
 		ro_swiglu(k->gp[a + j] + r0, k->up[a + j] + r0, r1 - r0);
 }
@@ -120,7 +121,7 @@ static void down_task(void *arg, uint32_t i)
 {
 	const struct moe_task *k = arg;
 	const uint32_t e = k->act[i / k->n_d], p = i % k->n_d;
-	const uint32_t r0 = p * PANEL_D, r1 = r0 + PANEL_D < k->H ? r0 + PANEL_D : k->H;
+	const uint32_t r0 = p * k->p_d, r1 = r0 + k->p_d < k->H ? r0 + k->p_d : k->H;
 	const uint32_t a = k->off[e], n = k->off[e + 1] - a;
 
 	ro_gemm_ptrs(&k->L->down[e], (const float *const *)k->gp + a, n, k->yp + a, r0, r1);
@@ -194,8 +195,14 @@ int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 	m->experts_run += n_act;
 	k.off = off;
 	k.act = act;
-	k.n_gu = (F + PANEL_GU - 1) / PANEL_GU;
-	k.n_d = (H + PANEL_D - 1) / PANEL_D;
+	k.p_gu = PANEL_GU;
+	k.p_d = PANEL_D;
+	if (ro_kernels_amx() && ro_amx_fits(&k.L->gate[act[0]])) {
+		k.p_gu = F;
+		k.p_d = H;
+	}
+	k.n_gu = (F + k.p_gu - 1) / k.p_gu;
+	k.n_d = (H + k.p_d - 1) / k.p_d;
 	ro_pool_for(m->pool, n_act * k.n_gu, gate_up_task, &k);
 	ro_pool_for(m->pool, n_act * k.n_d, down_task, &k);
 out:

@@ -1,0 +1,413 @@
+/* bf16 weights through Intel AMX (TDPBF16PS), where the CPU and the kernel allow it.
+ *
+ * The weights stay as nn.Linear keeps them ([out][in], bf16): sixteen output rows by 32
+ * inputs are one A tile, loaded in place with the row stride. The activations are f32; each
+ * becomes two bf16, hi = bf16(x) and lo = bf16(x - hi) (x - hi is exact), so x is carried
+ * to 2^-17 of itself (against 2^-24 for f32), and the weights, bf16 already, are exact: the
+ * products are those of the f32 path to within that, and logits agree with the float64
+ * reference as the FMA path's do (tests/test_model.c). Sixteen tokens' hi (or lo) pairs,
+ * transposed into VNNI order, are one B tile; C (16 rows x 16 tokens, f32) accumulates
+ * A.hi then A.lo for each 32-input chunk in k order.
+ *
+ * Batch invariance: an element of C depends only on its own row of A and column of B, and
+ * every (row, token) runs the same chunks in the same order whatever block, tile position,
+ * thread or batch computes it; unused columns hold zeros and unused rows are not stored. A
+ * matrix either always runs here (bf16, inputs a multiple of 32, at least 16 rows) or never,
+ * so a token's logits are the same bits in a batch of 1 or of 256.
+ *
+ * Why: one core's TDPBF16PS does ~2.3 TFLOP/s here against ~180 GFLOP/s of 512-bit FMAs,
+ * and the weights need no widening in registers, so the FMA-bound runs (large batches,
+ * prefill) become bound by memory, and the memory-bound ones no longer queue loads behind
+ * conversions. */
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/internal.h"
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+bool ro_amx_available(void)
+{
+	static int ok = -1;
+
+	if (ok < 0) {
+		__builtin_cpu_init();
+		/* the kernel must also grant the tile data state to this process */
+		ok = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+		     __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f") &&
+		     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+		     __builtin_cpu_supports("avx512dq") &&
+		     syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+	}
+	return ok;
+}
+
+bool ro_amx_fits(const struct ro_mat *W)
+{
+	return W->dtype == RO_BF16 && W->cols % 32 == 0 && W->rows >= 16;
+}
+
+#define AMX                                                                                        \
+	__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,"   \
+			      "avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* tokens packed per pass: their hi and lo tiles for every chunk (2 KiB per 16 tokens per 32
+ * inputs) stay in L2 while a row block's weights pass over them */
+#define AMX_TOK 32
+
+struct tilecfg {
+	uint8_t palette, start_row;
+	uint8_t reserved[14];
+	uint16_t colsb[16];
+	uint8_t rows[16];
+};
+
+/* The tiles for groups of N tokens: C (0 to 3: 16 rows x N tokens, f32), A (4: 16 rows x 32
+ * bf16), B (5, 6: 16 input pairs x N tokens). A C element depends only on its own row of A
+ * and column of B, whatever N is. Loaded when N changes on this thread; the kernel keeps it
+ * across switches. */
+static __thread uint32_t tiles_n;
+
+static AMX void config(uint32_t N)
+{
+	struct tilecfg cfg;
+
+	if (tiles_n == N)
+		return;
+	memset(&cfg, 0, sizeof(cfg));
+	cfg.palette = 1;
+	for (int i = 0; i < 7; i++) {
+		cfg.rows[i] = 16;
+		cfg.colsb[i] = (uint16_t)(i == 4 ? 64 : N * 4);
+	}
+	_tile_loadconfig(&cfg);
+	tiles_n = N;
+}
+
+/* This thread's packed activations, kept between calls (freed at thread exit) */
+static pthread_key_t buf_key;
+static pthread_once_t buf_once = PTHREAD_ONCE_INIT;
+static __thread uint32_t *buf;
+static __thread size_t buf_len; /* in uint32 */
+
+static void buf_key_make(void)
+{
+	(void)pthread_key_create(&buf_key, free);
+}
+
+static uint32_t *buf_get(size_t n)
+{
+	if (n > buf_len) {
+		void *p = NULL;
+
+		if (posix_memalign(&p, 64, n * sizeof(uint32_t)))
+			return NULL;
+		free(buf);
+		buf = p;
+		buf_len = n;
+		(void)pthread_once(&buf_once, buf_key_make);
+		(void)pthread_setspecific(buf_key, buf);
+	}
+	return buf;
+}
+
+/* 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i] */
+INLINE AMX void tr16(__m512i r[16])
+{
+	__m512i b[16], c[16];
+
+	for (int i = 0; i < 8; i++) {
+		b[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+		b[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+	}
+	/* c[4g + q], 128-bit lane L: rows 4g..4g+3, column 4L + q */
+	for (int g = 0; g < 4; g++) {
+		c[4 * g + 0] = _mm512_unpacklo_epi64(b[4 * g], b[4 * g + 2]);
+		c[4 * g + 1] = _mm512_unpackhi_epi64(b[4 * g], b[4 * g + 2]);
+		c[4 * g + 2] = _mm512_unpacklo_epi64(b[4 * g + 1], b[4 * g + 3]);
+		c[4 * g + 3] = _mm512_unpackhi_epi64(b[4 * g + 1], b[4 * g + 3]);
+	}
+	for (int q = 0; q < 4; q++) {
+		__m512i d0 = _mm512_shuffle_i32x4(c[q], c[4 + q], 0x88);
+		__m512i d1 = _mm512_shuffle_i32x4(c[q], c[4 + q], 0xdd);
+		__m512i e0 = _mm512_shuffle_i32x4(c[8 + q], c[12 + q], 0x88);
+		__m512i e1 = _mm512_shuffle_i32x4(c[8 + q], c[12 + q], 0xdd);
+
+		r[q] = _mm512_shuffle_i32x4(d0, e0, 0x88);
+		r[4 + q] = _mm512_shuffle_i32x4(d1, e1, 0x88);
+		r[8 + q] = _mm512_shuffle_i32x4(d0, e0, 0xdd);
+		r[12 + q] = _mm512_shuffle_i32x4(d1, e1, 0xdd);
+	}
+}
+
+/* bf16 (in the 16-bit halves of v, as cvtne2ps_pbh leaves them) widened back to f32: the
+ * low 16 elements and the high 16 */
+INLINE AMX __m512 bf_lo(__m512i v)
+{
+	return _mm512_castsi512_ps(
+	    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+}
+
+INLINE AMX __m512 bf_hi(__m512i v)
+{
+	return _mm512_castsi512_ps(
+	    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+}
+
+/* Two tokens' pairs (v[0], v[1]: pair r in dword r) as 16 rows of 2 at p */
+INLINE AMX void put2(uint32_t *p, const __m512i *v)
+{
+	/* lane L of b0: rows 4L, 4L + 1; of b1: rows 4L + 2, 4L + 3 */
+	const __m512i b0 = _mm512_unpacklo_epi32(v[0], v[1]), b1 = _mm512_unpackhi_epi32(v[0], v[1]);
+
+	_mm512_storeu_si512(p, _mm512_permutex2var_epi64(
+				   b0, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), b1));
+	_mm512_storeu_si512(p + 16, _mm512_permutex2var_epi64(
+					b0, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), b1));
+}
+
+/* Four tokens' pairs as 16 rows of 4 at p */
+INLINE AMX void put4(uint32_t *p, const __m512i *v)
+{
+	const __m512i b0 = _mm512_unpacklo_epi32(v[0], v[1]), b1 = _mm512_unpackhi_epi32(v[0], v[1]),
+		      b2 = _mm512_unpacklo_epi32(v[2], v[3]), b3 = _mm512_unpackhi_epi32(v[2], v[3]);
+	/* lane L of c[q]: row 4L + q, the four tokens in order */
+	const __m512i c[4] = {_mm512_unpacklo_epi64(b0, b2), _mm512_unpackhi_epi64(b0, b2),
+			      _mm512_unpacklo_epi64(b1, b3), _mm512_unpackhi_epi64(b1, b3)};
+
+	for (int q = 0; q < 4; q++) {
+		_mm_storeu_si128((__m128i *)(p + q * 4), _mm512_castsi512_si128(c[q]));
+		_mm_storeu_si128((__m128i *)(p + (4 + q) * 4), _mm512_extracti32x4_epi32(c[q], 1));
+		_mm_storeu_si128((__m128i *)(p + (8 + q) * 4), _mm512_extracti32x4_epi32(c[q], 2));
+		_mm_storeu_si128((__m128i *)(p + (12 + q) * 4), _mm512_extracti32x4_epi32(c[q], 3));
+	}
+}
+
+/* Tokens x[0..nt) (nt <= N <= 16), K inputs, as B tiles of N columns: for chunk kc, hi at
+ * p[kc * 32 N] and lo at p[kc * 32 N + 16 N], each 16 rows (input pairs 2r, 2r + 1 of the
+ * chunk) of N tokens, N dwords apart (columns past nt hold zeros). */
+INLINE AMX void pack(const float *const *x, uint32_t nt, uint32_t N, size_t K, uint32_t *p)
+{
+	const __mmask16 cols = (__mmask16)(0xffffu >> (16 - N));
+
+	for (size_t kc = 0; kc < K / 32; kc++) {
+		uint32_t *ph = p + kc * 32 * N, *pl = ph + 16 * N;
+		__m512i h[16], l[16];
+
+		for (uint32_t n = 0; n < N; n++) {
+			if (n < nt) {
+				const __m512 a = _mm512_loadu_ps(x[n] + kc * 32),
+					     b = _mm512_loadu_ps(x[n] + kc * 32 + 16);
+				const __m512i hb = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+				const __m512 ra = _mm512_sub_ps(a, bf_lo(hb)),
+					     rb = _mm512_sub_ps(b, bf_hi(hb));
+
+				h[n] = hb;
+				l[n] = (__m512i)_mm512_cvtne2ps_pbh(rb, ra);
+			} else {
+				h[n] = l[n] = _mm512_setzero_si512();
+			}
+		}
+		for (uint32_t n = N; n < 16; n++)
+			h[n] = l[n] = _mm512_setzero_si512();
+		if (N == 1) {
+			_mm512_storeu_si512(ph, h[0]);
+			_mm512_storeu_si512(pl, l[0]);
+			continue;
+		}
+		if (N == 2) {
+			put2(ph, h);
+			put2(pl, l);
+			continue;
+		}
+		if (N == 4) {
+			put4(ph, h);
+			put4(pl, l);
+			continue;
+		}
+		tr16(h);
+		tr16(l);
+		for (uint32_t r = 0; r < 16; r++) {
+			_mm512_mask_storeu_epi32(ph + r * N, cols, h[r]);
+			_mm512_mask_storeu_epi32(pl + r * N, cols, l[r]);
+		}
+	}
+}
+
+/* C = hi + lo (16 rows x 16 tokens each, as tile_stored left them) into y[n][s + i] for
+ * the rows i in [lo, hi) and tokens n < nt */
+INLINE AMX void unpack16(const float *ch, const float *cl, float *const *y, uint32_t nt,
+			 uint32_t s, uint32_t lo, uint32_t hi)
+{
+	__m512i v[16];
+	const __mmask16 keep = (__mmask16)((0xffffu >> (16 - hi)) & (0xffffu << lo));
+
+	for (int i = 0; i < 16; i++)
+		v[i] = _mm512_castps_si512(
+		    _mm512_add_ps(_mm512_load_ps(ch + i * 16), _mm512_load_ps(cl + i * 16)));
+	tr16(v);
+	for (uint32_t n = 0; n < nt; n++)
+		_mm512_mask_storeu_ps(y[n] + s, keep, _mm512_castsi512_ps(v[n]));
+}
+
+/* The B tiles of group G, hi and lo, into tiles 5 and 6; C tile 2G += A.hi, 2G + 1 += A.lo
+ * (two accumulators, not one: a tile's next product waits for its last, and the two
+ * chains run side by side) */
+#define DP_GROUP(G, CH, CL)                                                                        \
+	do {                                                                                       \
+		_tile_loadd(5, p + ((size_t)(G) * kcs + kc) * 32 * N, N * 4);                      \
+		_tile_loadd(6, p + ((size_t)(G) * kcs + kc) * 32 * N + 16 * N, N * 4);             \
+		_tile_dpbf16ps(CH, 4, 5);                                                          \
+		_tile_dpbf16ps(CL, 4, 6);                                                          \
+	} while (0)
+
+/* Rows [s, s + 16) (s + 16 <= the matrix's rows) for NG (1 or 2) 16-token groups of p (C
+ * tiles 0 to 2 NG - 1), stored for rows s + lo to s + hi. The A tile is loaded once per
+ * chunk for every group. While it runs, the next tile's sixteen rows (contiguous: 32 K
+ * bytes at nx, if any) are asked into L2, 1 KiB per chunk, so that its loads do not wait on
+ * DRAM. (Into L2, not L1: sixteen rows 2 K bytes apart share two L1 sets.) */
+INLINE AMX void tile16(const uint16_t *w, size_t K, const uint32_t *p, const int NG, uint32_t N,
+		       uint32_t nt, float *const *y, uint32_t s, uint32_t lo, uint32_t hi, float *c,
+		       const char *nx)
+{
+	const size_t stride = K * 2, kcs = K / 32;
+	const uint16_t *a = w + (size_t)s * K;
+
+	_tile_zero(0);
+	_tile_zero(1);
+	if (NG > 1) {
+		_tile_zero(2);
+		_tile_zero(3);
+	}
+	for (size_t kc = 0; kc < kcs; kc++) {
+		if (nx)
+			for (int i = 0; i < 16; i++)
+				_mm_prefetch(nx + kc * 1024 + i * 64, _MM_HINT_T1);
+		_tile_loadd(4, a + kc * 32, stride);
+		DP_GROUP(0, 0, 1);
+		if (NG > 1)
+			DP_GROUP(1, 2, 3);
+	}
+	_tile_stored(0, c, 64);
+	_tile_stored(1, c + 256, 64);
+	unpack16(c, c + 256, y, nt < 16 ? nt : 16, s, lo, hi);
+	if (NG > 1) {
+		_tile_stored(2, c + 512, 64);
+		_tile_stored(3, c + 768, 64);
+		unpack16(c + 512, c + 768, y + 16, nt - 16, s, lo, hi);
+	}
+}
+
+static void prefetch_tile(const struct ro_mat *W, uint32_t r)
+{
+	const char *a = (const char *)W->w + (size_t)r * W->cols * 2;
+
+	for (size_t b = 0; b < (size_t)W->cols * 32; b += 64)
+		_mm_prefetch(a + b, _MM_HINT_T1);
+}
+
+/* y_m[t][r0..r1) = W_m x[t] for the nm (1 or 2) matrices W_m, which share K: the tokens are
+ * packed once for all of them. */
+static AMX int gemm_amx(const struct ro_mat *const *Ws, float *const *const *ys, int nm,
+			const float *const *x, uint32_t T, uint32_t r0, uint32_t r1)
+{
+	const size_t K = Ws[0]->cols;
+	float c[1024] __attribute__((aligned(64)));
+	uint32_t *p;
+
+	p = buf_get((size_t)(AMX_TOK / 16) * (K / 32) * 512);
+	if (!p)
+		return -1;
+	/* the first tile's rows, before the loop asks for each next one */
+	prefetch_tile(Ws[0], r0);
+	memset(c, 0, sizeof(c));
+	for (uint32_t t0 = 0; t0 < T; t0 += AMX_TOK) {
+		const uint32_t nt = T - t0 < AMX_TOK ? T - t0 : AMX_TOK, ng = (nt + 15) / 16;
+		/* tokens per group: 1, 2, 4, 8 or 16, the fewest that hold them (columns of
+		 * zeros cost B bytes: one token's are 64 bytes a chunk, sixteen's 1 KiB) */
+		const uint32_t N = nt <= 1 ? 1 : nt <= 2 ? 2 : nt <= 4 ? 4 : nt <= 8 ? 8 : 16;
+
+		config(N);
+		for (uint32_t g = 0; g < ng; g++)
+			pack(x + t0 + g * 16, nt - g * 16 < 16 ? nt - g * 16 : 16, N, K,
+			     p + (size_t)g * (K / 32) * 32 * N);
+		for (int m = 0; m < nm; m++) {
+			const struct ro_mat *W = Ws[m];
+			const uint16_t *w = W->w;
+			float *const *y = ys[m] + t0;
+
+			for (uint32_t r = r0; r < r1; r += 16) {
+				/* the last tile may start before r (never before row 0): it
+				 * computes rows it does not own and stores only [r, r1) */
+				const uint32_t s = r + 16 <= W->rows ? r : W->rows - 16;
+				const uint32_t lo = r - s, hi = r1 - s < 16 ? r1 - s : 16;
+				const char *nx = NULL;
+
+				if (r + 16 < r1)
+					nx = (const char *)(w + (size_t)(r + 16) * K);
+				else if (m + 1 < nm)
+					nx = (const char *)Ws[m + 1]->w + (size_t)r0 * K * 2;
+				else if (t0 + AMX_TOK < T)
+					nx = (const char *)Ws[0]->w + (size_t)r0 * K * 2;
+				if (ng == 1)
+					tile16(w, K, p, 1, N, nt, y, s, lo, hi, c, nx);
+				else
+					tile16(w, K, p, 2, N, nt, y, s, lo, hi, c, nx);
+			}
+		}
+	}
+	return 0;
+}
+
+int ro_gemm_amx(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
+		uint32_t r0, uint32_t r1)
+{
+	return gemm_amx(&W, &y, 1, x, T, r0, r1);
+}
+
+int ro_gemm_amx2(const struct ro_mat *W1, const struct ro_mat *W2, const float *const *x,
+		 uint32_t T, float *const *y1, float *const *y2, uint32_t r0, uint32_t r1)
+{
+	const struct ro_mat *Ws[2] = {W1, W2};
+	float *const *ys[2] = {y1, y2};
+
+	return gemm_amx(Ws, ys, 2, x, T, r0, r1);
+}
+
+#else
+
+bool ro_amx_available(void)
+{
+	return false;
+}
+
+bool ro_amx_fits(const struct ro_mat *W)
+{
+	(void)W;
+	return false;
+}
+
+int ro_gemm_amx(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
+		uint32_t r0, uint32_t r1)
+{
+	(void)W, (void)x, (void)T, (void)y, (void)r0, (void)r1;
+	return -1;
+}
+
+int ro_gemm_amx2(const struct ro_mat *W1, const struct ro_mat *W2, const float *const *x,
+		 uint32_t T, float *const *y1, float *const *y2, uint32_t r0, uint32_t r1)
+{
+	(void)W1, (void)W2, (void)x, (void)T, (void)y1, (void)y2, (void)r0, (void)r1;
+	return -1;
+}
+#endif

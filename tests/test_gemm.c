@@ -1,0 +1,247 @@
+/* The matrix kernels (kernels/cpu/gemm.c, amx.c) on their own: every kernel the CPU has
+ * (portable, AVX2, AVX-512, AMX-BF16) against a float64 dot product, over shapes with
+ * tails (rows not a multiple of 16, inputs not of 32, row ranges that start and end
+ * anywhere) and token counts that take every tile width (1 to 70); and each token's output
+ * bitwise the same whatever else is in the batch, where in the batch it is, and which row
+ * range computed it: batch invariance rests on this. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/internal.h"
+
+static uint32_t rnd_state = 12345;
+
+static uint32_t rnd(void)
+{
+	rnd_state = rnd_state * 1664525u + 1013904223u;
+	return rnd_state >> 8;
+}
+
+/* a float in [-1, 1) */
+static float frnd(void)
+{
+	return (float)rnd() / (float)(1u << 23) - 1.0f;
+}
+
+static uint16_t to_bf16(float f)
+{
+	uint32_t u;
+
+	memcpy(&u, &f, 4);
+	return (uint16_t)(u >> 16);
+}
+
+static float bf16_f(uint16_t b)
+{
+	uint32_t u = (uint32_t)b << 16;
+	float f;
+
+	memcpy(&f, &u, 4);
+	return f;
+}
+
+struct mat {
+	struct ro_mat W;
+	uint16_t *w;
+	float **x, **y;
+	uint32_t T;
+};
+
+static void mat_new(struct mat *m, uint32_t rows, uint32_t cols, uint32_t T)
+{
+	m->w = malloc((size_t)rows * cols * 2);
+	for (size_t i = 0; i < (size_t)rows * cols; i++)
+		m->w[i] = to_bf16(frnd());
+	m->W = (struct ro_mat){.w = m->w, .dtype = RO_BF16, .rows = rows, .cols = cols};
+	m->T = T;
+	m->x = malloc(T * sizeof(*m->x));
+	m->y = malloc(T * sizeof(*m->y));
+	for (uint32_t t = 0; t < T; t++) {
+		m->x[t] = malloc(cols * sizeof(float));
+		m->y[t] = malloc(rows * sizeof(float));
+		for (uint32_t k = 0; k < cols; k++)
+			m->x[t][k] = frnd() * (t % 3 == 1 ? 1e3f : 1.0f);
+		for (uint32_t r = 0; r < rows; r++)
+			m->y[t][r] = NAN;
+	}
+}
+
+static void mat_free(struct mat *m)
+{
+	for (uint32_t t = 0; t < m->T; t++) {
+		free(m->x[t]);
+		free(m->y[t]);
+	}
+	free(m->x);
+	free(m->y);
+	free(m->w);
+}
+
+/* y against float64, relative to the sum of |products| (the scale f32 rounding works at) */
+static void check_exact(const struct mat *m, uint32_t r0, uint32_t r1, const char *what)
+{
+	for (uint32_t t = 0; t < m->T; t++)
+		for (uint32_t r = r0; r < r1; r++) {
+			double s = 0, mag = 0;
+
+			for (uint32_t k = 0; k < m->W.cols; k++) {
+				double p = (double)bf16_f(m->w[(size_t)r * m->W.cols + k]) *
+					   m->x[t][k];
+
+				s += p;
+				mag += fabs(p);
+			}
+			cr_assert(fabs(m->y[t][r] - s) <= 2e-5 * mag + 1e-30,
+				  "%s %s %ux%u T=%u: token %u row %u: %.9g, float64 %.9g (scale %g)",
+				  ro_kernels_name(), what, m->W.rows, m->W.cols, m->T, t, r,
+				  m->y[t][r], s, mag);
+		}
+}
+
+static const char *const caps[] = {"scalar", "avx2", "avx512", "none"};
+
+/* RO_KERNELS=cap, then the kernels re-read it; false when that is not what runs */
+static bool use(const char *cap)
+{
+	static const char *const want[] = {"scalar", "avx2+fma", "avx512+fma",
+					   "amx-bf16+avx512+fma"};
+
+	cr_assert_eq(setenv("RO_KERNELS", cap, 1), 0);
+	ro_kernels_force_scalar(false);
+	for (size_t i = 0; i < 4; i++)
+		if (!strcmp(cap, caps[i]))
+			return !strcmp(ro_kernels_name(), want[i]);
+	return false;
+}
+
+Test(gemm, every_kernel_matches_float64)
+{
+	static const uint32_t shapes[][2] = {{16, 32}, {40, 64}, {7, 96}, {64, 1024},
+					     {257, 256}, {33, 40}, {100, 288}};
+	static const uint32_t Ts[] = {1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 33, 70};
+	int ran = 0;
+
+	for (size_t c = 0; c < 4; c++) {
+		if (!use(caps[c]))
+			continue;
+		ran++;
+		for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+			for (size_t i = 0; i < sizeof(Ts) / sizeof(Ts[0]); i++) {
+				struct mat m;
+				const uint32_t R = shapes[s][0], r0 = R > 20 ? 3 : 0,
+					       r1 = R > 20 ? R - 2 : R;
+
+				mat_new(&m, R, shapes[s][1], Ts[i]);
+				ro_gemm_ptrs(&m.W, (const float *const *)m.x, m.T, m.y, r0, r1);
+				check_exact(&m, r0, r1, "rows");
+				/* nothing outside [r0, r1) is written */
+				for (uint32_t t = 0; t < m.T; t++) {
+					for (uint32_t r = 0; r < r0; r++)
+						cr_assert(isnan(m.y[t][r]), "row %u written", r);
+					for (uint32_t r = r1; r < R; r++)
+						cr_assert(isnan(m.y[t][r]), "row %u written", r);
+				}
+				mat_free(&m);
+			}
+	}
+	cr_assert_geq(ran, 1);
+	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
+	ro_kernels_force_scalar(false);
+}
+
+/* One token's output, bitwise: alone; at every position of batches of every size; from
+ * row ranges cut anywhere; and through ro_gemm_ptrs2 (gate and up on shared inputs). */
+Test(gemm, a_token_is_bitwise_the_same_in_any_batch)
+{
+	static const uint32_t shapes[][2] = {{64, 1024}, {48, 64}, {21, 32}, {256, 96}};
+	int ran = 0;
+
+	for (size_t c = 0; c < 4; c++) {
+		if (!use(caps[c]))
+			continue;
+		ran++;
+		for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+			const uint32_t R = shapes[s][0], K = shapes[s][1], T = 70;
+			struct mat m, u;
+			float *alone = malloc(R * sizeof(float));
+			float *one = malloc(R * sizeof(float));
+			float **y2 = malloc(T * sizeof(*y2));
+
+			mat_new(&m, R, K, T);
+			mat_new(&u, R, K, 1);
+			for (uint32_t t = 0; t < T; t++)
+				y2[t] = malloc(R * sizeof(float));
+			for (uint32_t t = 0; t < T; t += 5) {
+				/* token t alone */
+				const float *xt = m.x[t];
+
+				ro_gemm_ptrs(&m.W, &xt, 1, &one, 0, R);
+				memcpy(alone, one, R * sizeof(float));
+				/* in batches of every size that hold it, at its own place */
+				for (uint32_t n = t + 1; n <= T; n += 7) {
+					ro_gemm_ptrs(&m.W, (const float *const *)m.x, n, m.y, 0, R);
+					cr_assert_eq(memcmp(m.y[t], alone, R * sizeof(float)), 0,
+						     "%s %ux%u: token %u in a batch of %u differs",
+						     ro_kernels_name(), R, K, t, n);
+				}
+				/* rows in ranges cut at odd places */
+				for (uint32_t r0 = 0; r0 < R;) {
+					uint32_t r1 = r0 + 1 + rnd() % 37;
+
+					r1 = r1 < R ? r1 : R;
+					ro_gemm_ptrs(&m.W, (const float *const *)m.x + t, 1, &one, r0,
+						     r1);
+					r0 = r1;
+				}
+				cr_assert_eq(memcmp(one, alone, R * sizeof(float)), 0,
+					     "%s %ux%u: token %u by row ranges differs",
+					     ro_kernels_name(), R, K, t);
+			}
+			/* two matrices on shared inputs: each bitwise its own call */
+			ro_gemm_ptrs(&m.W, (const float *const *)m.x, T, m.y, 0, R);
+			{
+				float **yu = malloc(T * sizeof(*yu));
+				float **y1 = malloc(T * sizeof(*y1));
+
+				for (uint32_t t = 0; t < T; t++) {
+					yu[t] = malloc(R * sizeof(float));
+					y1[t] = malloc(R * sizeof(float));
+				}
+				ro_gemm_ptrs(&u.W, (const float *const *)m.x, T, yu, 0, R);
+				ro_gemm_ptrs2(&m.W, &u.W, (const float *const *)m.x, T, y1, y2, 0, R);
+				for (uint32_t t = 0; t < T; t++) {
+					cr_assert_eq(memcmp(y1[t], m.y[t], R * sizeof(float)), 0);
+					cr_assert_eq(memcmp(y2[t], yu[t], R * sizeof(float)), 0);
+					free(yu[t]);
+					free(y1[t]);
+				}
+				free(yu);
+				free(y1);
+			}
+			for (uint32_t t = 0; t < T; t++)
+				free(y2[t]);
+			free(y2);
+			free(alone);
+			free(one);
+			mat_free(&m);
+			mat_free(&u);
+		}
+	}
+	cr_assert_geq(ran, 1);
+	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
+	ro_kernels_force_scalar(false);
+}
+
+/* The kernels this CPU runs, for the log: a machine with AMX must run it. */
+Test(gemm, amx_runs_where_the_cpu_has_it)
+{
+	ro_kernels_force_scalar(false);
+	cr_log_info("kernels: %s", ro_kernels_name());
+	if (ro_amx_available())
+		cr_expect_str_eq(ro_kernels_name(), "amx-bf16+avx512+fma");
+	else
+		cr_skip_test("no AMX-BF16 here (or the kernel did not grant it)");
+}
