@@ -90,6 +90,9 @@ static AMX void config(uint32_t N)
 		cfg.rows[i] = 16;
 		cfg.colsb[i] = (uint16_t)(i == 4 ? 64 : N * 4);
 	}
+	/* GCC's _tile_loadconfig tells the compiler it reads 8 bytes: without the barrier
+	 * the stores to the rest of cfg are dropped as dead (a #GP at ldtilecfg) */
+	__asm__ volatile("" : : "r"(&cfg) : "memory");
 	_tile_loadconfig(&cfg);
 	tiles_n = N;
 }

@@ -160,6 +160,84 @@ __attribute__((target("avx512f,fma"))) static void *fma512_thread(void *p)
 }
 #endif
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+struct tilecfg {
+	uint8_t palette, start_row, reserved[14];
+	uint16_t colsb[16];
+	uint8_t rows[16];
+};
+
+/* TDPBF16PS into four independent C tiles (16 x 16 f32) from A and B tiles held in
+ * registers: the core's AMX-BF16 peak, as fma_thread is its FMA peak. */
+__attribute__((target("amx-tile,amx-bf16"))) static void *amx_thread(void *p)
+{
+	long iters = *(long *)p;
+	static const uint16_t ones[512] __attribute__((aligned(64))) = {0};
+	struct tilecfg cfg;
+
+	memset(&cfg, 0, sizeof(cfg));
+	cfg.palette = 1;
+	for (int i = 0; i < 8; i++) {
+		cfg.rows[i] = 16;
+		cfg.colsb[i] = 64;
+	}
+	/* GCC's _tile_loadconfig tells the compiler it reads 8 bytes: without the barrier
+	 * the stores to the rest of cfg are dropped as dead (a #GP at ldtilecfg) */
+	__asm__ volatile("" : : "r"(&cfg) : "memory");
+	_tile_loadconfig(&cfg);
+	_tile_zero(0);
+	_tile_zero(1);
+	_tile_zero(2);
+	_tile_zero(3);
+	_tile_loadd(4, ones, 64);
+	_tile_loadd(5, ones, 64);
+	_tile_loadd(6, ones, 64);
+	_tile_loadd(7, ones, 64);
+	for (long k = 0; k < iters; k++) {
+		_tile_dpbf16ps(0, 4, 5);
+		_tile_dpbf16ps(1, 4, 6);
+		_tile_dpbf16ps(2, 7, 5);
+		_tile_dpbf16ps(3, 7, 6);
+	}
+	_tile_release();
+	return NULL;
+}
+#endif
+
+/* bf16 FLOPs per second (a multiply-add is two) of AMX over all threads, best of 3; 0 where
+ * the CPU or the kernel does not give it. */
+static double amx_throughput(uint32_t threads)
+{
+#if defined(__x86_64__) && defined(__linux__)
+	const long iters = 2000000;
+	pthread_t th[64];
+	long arg[64];
+	double best = 0;
+
+	__builtin_cpu_init();
+	if (!__builtin_cpu_supports("amx-bf16") ||
+	    syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */))
+		return 0;
+	for (int rep = 0; rep < 3; rep++) {
+		double t0 = now(), f;
+
+		for (uint32_t t = 0; t < threads; t++) {
+			arg[t] = iters;
+			pthread_create(&th[t], NULL, amx_thread, &arg[t]);
+		}
+		for (uint32_t t = 0; t < threads; t++)
+			pthread_join(th[t], NULL);
+		f = (double)threads * iters * 4 * 16 * 16 * 32 * 2 / (now() - t0);
+		best = f > best ? f : best;
+	}
+	return best;
+#else
+	(void)threads;
+	return 0;
+#endif
+}
+
 /* f32 FLOPs per second (an FMA is two) over all threads, best of 3, at the vector width
  * given (8 or 16 lanes). */
 static double fma_throughput(uint32_t threads, int lanes)
@@ -237,7 +315,7 @@ static void shape_of(const struct ro_model_config *c, struct shape *s)
  * counted ctx_sum, 4.3 of the 5.8 GB at 512 tokens and 275 GB at 4,096, a floor that
  * a tiled kernel beats). */
 static void work(const struct shape *s, double tokens, double ctx_sum, double kv_read,
-		 double experts, double rows, double *bytes, double *flops)
+		 double experts, double rows, double *bytes, double *flops, double *mm_flops)
 {
 	*bytes = s->layers * (s->attn_bytes + s->router_bytes) + experts * s->expert_bytes +
 		 s->head_bytes + tokens * s->embed_row_bytes +
@@ -248,6 +326,27 @@ static void work(const struct shape *s, double tokens, double ctx_sum, double kv
 		 2.0 * rows * s->head_params +
 		 /* scores and the weighted sum of V, per head */
 		 s->layers * 4.0 * ctx_sum * s->head_dim * s->heads;
+	/* the linear layers' share (what AMX runs for a bf16 model) */
+	*mm_flops = *flops - s->layers * 4.0 * ctx_sum * s->head_dim * s->heads;
+}
+
+/* One row of the floor table: time t for `tokens` tokens beside the floor, max(bytes /
+ * bw, FLOPs / fl); where the kernels run the linear layers on AMX (amx: its rate for them,
+ * else 0) also beside the floor with those FLOPs at the AMX rate. */
+static void floor_row(const char *name, double tokens, double t, double bytes, double flops,
+		      double mm, double bw, double fl, double amx)
+{
+	const double floor_s = bytes / bw > flops / fl ? bytes / bw : flops / fl;
+	const double c_amx = amx > 0 ? mm / amx + (flops - mm) / fl : 0;
+	const double floor_amx = bytes / bw > c_amx ? bytes / bw : c_amx;
+	char xa[32] = "-";
+
+	if (amx > 0)
+		(void)snprintf(xa, sizeof(xa), "%.2f %s", t / floor_amx,
+			       bytes / bw > c_amx ? "memory" : "compute");
+	(void)printf("%-22s %12.1f %12.2f %10.3f %10.2f %12.1f %9.2f  %-8s %s\n", name,
+		     tokens / t, t * 1e3, bytes / 1e9, flops / 1e9, tokens / floor_s, t / floor_s,
+		     bytes / bw > flops / fl ? "memory" : "compute", xa);
 }
 
 static void split_add(struct ro_model_split *a, const struct ro_model_split *b, double w)
@@ -595,7 +694,7 @@ int main(int argc, char **argv)
 	const struct ro_model_config *c;
 	struct shape sh;
 	char err[512];
-	double bw, fl, fl512, t_load;
+	double bw, fl, fl512, amx = 0, t_load;
 	uint64_t total, active;
 	int ch;
 
@@ -702,8 +801,17 @@ int main(int argc, char **argv)
 			     "(f32, 8 lanes), %.1f (16 lanes); the floor uses the larger\n\n",
 			     bw / 1e9, fl / 1e9, fl512 / 1e9);
 		fl = fl512 > fl ? fl512 : fl;
-		(void)printf("%-22s %12s %12s %10s %10s %12s %9s  %s\n", "run", "tokens/s",
-			     "ms/step", "GB/step", "GFLOP/step", "floor tok/s", "x floor", "bound");
+		/* a bf16 model's linear layers run on AMX where the kernels say so: each
+		 * multiply-add is two bf16 products there (activations as hi + lo) */
+		if (strstr(ro_model_kernels(m), "amx") && !strcmp(c->dtype, "BF16")) {
+			amx = amx_throughput(threads) / 2;
+			(void)printf("machine: AMX-BF16 %.1f GFLOP/s (bf16); the linear layers run "
+				     "at half that (two products per multiply-add), %.1f f32-exact\n\n",
+				     amx * 2 / 1e9, amx / 1e9);
+		}
+		(void)printf("%-22s %12s %12s %10s %10s %12s %9s  %-8s %s\n", "run", "tokens/s",
+			     "ms/step", "GB/step", "GFLOP/step", "floor tok/s", "x floor", "bound",
+			     "x AMX floor");
 		for (uint32_t bi = 0; bi < nb; bi++) {
 			const uint32_t B = batches[bi], V = c->vocab;
 			struct ro_seq **seq = calloc(B, sizeof(*seq));
@@ -711,7 +819,7 @@ int main(int argc, char **argv)
 			int32_t *prompt = malloc(plen * sizeof(int32_t)),
 				*tok = malloc(B * sizeof(int32_t));
 			float *logits = malloc((size_t)B * V * sizeof(float));
-			double t = 0, bytes = 0, flops = 0, b1, f1, floor_s;
+			double t = 0, bytes = 0, flops = 0, mm = 0, b1, f1, m1;
 			struct ro_model_split sp = {0}, s1;
 			uint32_t ctx;
 
@@ -746,22 +854,20 @@ int main(int argc, char **argv)
 				ro_model_last_split(m, &s1);
 				split_add(&sp, &s1, 1.0 / steps);
 				work(&sh, B, (double)B * (ctx + 1), (double)B * (ctx + 1),
-				     ro_model_last_experts(m), B, &b1, &f1);
+				     ro_model_last_experts(m), B, &b1, &f1, &m1);
 				bytes += b1;
 				flops += f1;
+				mm += m1;
 			}
 			bytes /= steps;
 			flops /= steps;
+			mm /= steps;
 			t /= steps;
-			floor_s = bytes / bw > flops / fl ? bytes / bw : flops / fl;
 			{
 				char name[32];
 
 				(void)snprintf(name, sizeof(name), "decode, batch %u", B);
-				(void)printf("%-22s %12.1f %12.2f %10.3f %10.2f %12.1f %9.2f  %s\n",
-					     name, B / t, t * 1e3, bytes / 1e9, flops / 1e9,
-					     B / floor_s, t / floor_s,
-					     bytes / bw > flops / fl ? "memory" : "compute");
+				floor_row(name, B, t, bytes, flops, mm, bw, fl, amx);
 				print_split(&sp, t);
 			}
 			for (uint32_t i = 0; i < B; i++)
@@ -777,7 +883,7 @@ int main(int argc, char **argv)
 			struct ro_seq *s;
 			int32_t *p = malloc(prefill_len * sizeof(int32_t));
 			float *logits = malloc(c->vocab * sizeof(float));
-			double best = 1e30, bytes = 0, flops = 0, floor_s;
+			double best = 1e30, bytes = 0, flops = 0, mm = 0;
 			struct ro_model_split sp = {0};
 
 			for (uint32_t j = 0; j < prefill_len; j++)
@@ -800,15 +906,11 @@ int main(int argc, char **argv)
 			}
 			/* context sum of a causal prefill: 1 + 2 + ... + n */
 			work(&sh, prefill_len, (double)prefill_len * (prefill_len + 1) / 2,
-			     prefill_len, ro_model_last_experts(m), 1, &bytes, &flops);
-			floor_s = bytes / bw > flops / fl ? bytes / bw : flops / fl;
+			     prefill_len, ro_model_last_experts(m), 1, &bytes, &flops, &mm);
 			char name[32];
 
 			(void)snprintf(name, sizeof(name), "prefill, %u tokens", prefill_len);
-			(void)printf("%-22s %12.1f %12.2f %10.3f %10.2f %12.1f %9.2f  %s\n", name,
-				     prefill_len / best, best * 1e3, bytes / 1e9, flops / 1e9,
-				     prefill_len / floor_s, best / floor_s,
-				     bytes / bw > flops / fl ? "memory" : "compute");
+			floor_row(name, prefill_len, best, bytes, flops, mm, bw, fl, amx);
 			print_split(&sp, best);
 			free(p);
 			free(logits);
@@ -818,7 +920,10 @@ int main(int argc, char **argv)
 		    "<= 1.3 to batch 32, <= 1.5 above).\nfloor = max(bytes touched / memcpy "
 		    "bandwidth, FLOPs / FMA "
 		    "throughput); bytes count the weights of the\nexperts the step really ran "
-		    "(all 64 per layer from batch ~32 on), attention, router, head, KV.\n");
+		    "(all 64 per layer from batch ~32 on), attention, router, head, KV.\n"
+		    "x AMX floor: the same with the linear layers' FLOPs at the AMX rate above "
+		    "(the machine's limit\nfor the kernels that run; the goals were set against "
+		    "the FMA one).\n");
 	}
 	if (run_inflight && inflight_section(m, inf[0], inf[1], inf[2], inf[3], inf[4])) {
 		(void)fprintf(stderr, "decode_bench: a forward failed in the in-flight section\n");
