@@ -72,8 +72,8 @@ struct tilecfg {
 	uint8_t rows[16];
 };
 
-/* The tiles for groups of N tokens: C (0 to 3: 16 rows x N tokens, f32), A (4: 16 rows x 32
- * bf16), B (5, 6: 16 input pairs x N tokens). A C element depends only on its own row of A
+/* The tiles for groups of N tokens: C (0 to 3: 16 rows x N tokens, f32), A (4 and 7: 16 rows
+ * x 32 bf16), B (5, 6: 16 input pairs x N tokens). A C element depends only on its own row of A
  * and column of B, whatever N is. Loaded when N changes on this thread; the kernel keeps it
  * across switches. */
 static __thread uint32_t tiles_n;
@@ -86,9 +86,9 @@ static AMX void config(uint32_t N)
 		return;
 	memset(&cfg, 0, sizeof(cfg));
 	cfg.palette = 1;
-	for (int i = 0; i < 7; i++) {
+	for (int i = 0; i < 8; i++) {
 		cfg.rows[i] = 16;
-		cfg.colsb[i] = (uint16_t)(i == 4 ? 64 : N * 4);
+		cfg.colsb[i] = (uint16_t)(i == 4 || i == 7 ? 64 : N * 4);
 	}
 	/* GCC's _tile_loadconfig tells the compiler it reads 8 bytes: without the barrier
 	 * the stores to the rest of cfg are dropped as dead (a #GP at ldtilecfg) */
@@ -266,12 +266,24 @@ INLINE AMX void unpack16(const float *ch, const float *cl, float *const *y, uint
 /* The B tiles of group G, hi and lo, into tiles 5 and 6; C tile 2G += A.hi, 2G + 1 += A.lo
  * (two accumulators, not one: a tile's next product waits for its last, and the two
  * chains run side by side) */
-#define DP_GROUP(G, CH, CL)                                                                        \
+#define DP_GROUP(G, KC, TA, CH, CL)                                                                \
 	do {                                                                                       \
-		_tile_loadd(5, p + ((size_t)(G) * kcs + kc) * 32 * N, N * 4);                      \
-		_tile_loadd(6, p + ((size_t)(G) * kcs + kc) * 32 * N + 16 * N, N * 4);             \
-		_tile_dpbf16ps(CH, 4, 5);                                                          \
-		_tile_dpbf16ps(CL, 4, 6);                                                          \
+		_tile_loadd(5, p + ((size_t)(G) * kcs + (KC)) * 32 * N, N * 4);                    \
+		_tile_loadd(6, p + ((size_t)(G) * kcs + (KC)) * 32 * N + 16 * N, N * 4);           \
+		_tile_dpbf16ps(CH, TA, 5);                                                         \
+		_tile_dpbf16ps(CL, TA, 6);                                                         \
+	} while (0)
+
+/* chunk KC: its weights into A tile TA, then every group */
+#define CHUNK(KC, TA)                                                                              \
+	do {                                                                                       \
+		if (nx)                                                                            \
+			for (int i = 0; i < 16; i++)                                               \
+				_mm_prefetch(nx + (KC) * 1024 + i * 64, _MM_HINT_T1);              \
+		_tile_loadd(TA, a + (KC) * 32, stride);                                            \
+		DP_GROUP(0, KC, TA, 0, 1);                                                         \
+		if (NG > 1)                                                                        \
+			DP_GROUP(1, KC, TA, 2, 3);                                                 \
 	} while (0)
 
 /* Rows [s, s + 16) (s + 16 <= the matrix's rows) for NG (1 or 2) 16-token groups of p (C
@@ -292,15 +304,14 @@ INLINE AMX void tile16(const uint16_t *w, size_t K, const uint32_t *p, const int
 		_tile_zero(2);
 		_tile_zero(3);
 	}
-	for (size_t kc = 0; kc < kcs; kc++) {
-		if (nx)
-			for (int i = 0; i < 16; i++)
-				_mm_prefetch(nx + kc * 1024 + i * 64, _MM_HINT_T1);
-		_tile_loadd(4, a + kc * 32, stride);
-		DP_GROUP(0, 0, 1);
-		if (NG > 1)
-			DP_GROUP(1, 2, 3);
+	/* two A tiles in turn, so that a chunk's weights load while the last chunk's
+	 * products still read theirs */
+	for (size_t kc = 0; kc + 2 <= kcs; kc += 2) {
+		CHUNK(kc, 4);
+		CHUNK(kc + 1, 7);
 	}
+	if (kcs & 1)
+		CHUNK(kcs - 1, 4);
 	_tile_stored(0, c, 64);
 	_tile_stored(1, c + 256, 64);
 	unpack16(c, c + 256, y, nt < 16 ? nt : 16, s, lo, hi);
