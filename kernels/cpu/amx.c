@@ -61,9 +61,11 @@ bool ro_amx_fits(const struct ro_mat *W)
 			      "avx2,fma")))
 #define INLINE static inline __attribute__((always_inline))
 
-/* tokens packed per pass: their hi and lo tiles for every chunk (2 KiB per 16 tokens per 32
- * inputs) stay in L2 while a row block's weights pass over them */
-#define AMX_TOK 32
+/* tokens packed per pass (their hi and lo tiles for every chunk: 2 KiB per 16 tokens per 32
+ * inputs, 1 MiB for 256 tokens of 1,024 inputs, in L2). A tile of 16 weight rows runs over
+ * all of them, 32 at a time (two groups: four C tiles), so its rows are read from memory
+ * once per pass and from cache for the next 32. */
+#define AMX_TOK 256
 
 struct tilecfg {
 	uint8_t palette, start_row;
@@ -72,8 +74,8 @@ struct tilecfg {
 	uint8_t rows[16];
 };
 
-/* The tiles for groups of N tokens: C (0 to 3: 16 rows x N tokens, f32), A (4 and 7: 16 rows
- * x 32 bf16), B (5, 6: 16 input pairs x N tokens). A C element depends only on its own row of A
+/* The tiles for groups of N tokens: C (0 to 3: 16 rows x N tokens, f32), A (4 and 5: 16 rows
+ * x 32 bf16), B (6 and 7: 16 input pairs x N tokens). A C element depends only on its own row of A
  * and column of B, whatever N is. Loaded when N changes on this thread; the kernel keeps it
  * across switches. */
 static __thread uint32_t tiles_n;
@@ -88,7 +90,7 @@ static AMX void config(uint32_t N)
 	cfg.palette = 1;
 	for (int i = 0; i < 8; i++) {
 		cfg.rows[i] = 16;
-		cfg.colsb[i] = (uint16_t)(i == 4 || i == 7 ? 64 : N * 4);
+		cfg.colsb[i] = (uint16_t)(i == 4 || i == 5 ? 64 : N * 4);
 	}
 	/* GCC's _tile_loadconfig tells the compiler it reads 8 bytes: without the barrier
 	 * the stores to the rest of cfg are dropped as dead (a #GP at ldtilecfg) */
@@ -247,87 +249,121 @@ INLINE AMX void pack(const float *const *x, uint32_t nt, uint32_t N, size_t K, u
 	}
 }
 
-/* C = hi + lo (16 rows x 16 tokens each, as tile_stored left them) into y[n][s + i] for
- * the rows i in [lo, hi) and tokens n < nt */
-INLINE AMX void unpack16(const float *ch, const float *cl, float *const *y, uint32_t nt,
-			 uint32_t s, uint32_t lo, uint32_t hi)
+/* C (16 rows x 16 tokens, as tile_stored left it in c) into y[n][s + i] for the rows
+ * i in [lo, hi) and tokens n < nt */
+INLINE AMX void unpack16(const float *c, float *const *y, uint32_t nt, uint32_t s, uint32_t lo,
+			 uint32_t hi)
 {
 	__m512i v[16];
 	const __mmask16 keep = (__mmask16)((0xffffu >> (16 - hi)) & (0xffffu << lo));
 
 	for (int i = 0; i < 16; i++)
-		v[i] = _mm512_castps_si512(
-		    _mm512_add_ps(_mm512_load_ps(ch + i * 16), _mm512_load_ps(cl + i * 16)));
+		v[i] = _mm512_load_si512(c + i * 16);
 	tr16(v);
 	for (uint32_t n = 0; n < nt; n++)
 		_mm512_mask_storeu_ps(y[n] + s, keep, _mm512_castsi512_ps(v[n]));
 }
 
-/* The B tiles of group G, hi and lo, into tiles 5 and 6; C tile 2G += A.hi, 2G + 1 += A.lo
- * (two accumulators, not one: a tile's next product waits for its last, and the two
- * chains run side by side) */
-#define DP_GROUP(G, KC, TA, CH, CL)                                                                \
-	do {                                                                                       \
-		_tile_loadd(5, p + ((size_t)(G) * kcs + (KC)) * 32 * N, N * 4);                    \
-		_tile_loadd(6, p + ((size_t)(G) * kcs + (KC)) * 32 * N + 16 * N, N * 4);           \
-		_tile_dpbf16ps(CH, TA, 5);                                                         \
-		_tile_dpbf16ps(CL, TA, 6);                                                         \
-	} while (0)
+/* Group G's B tile for chunk KC, hi (LO 0) or lo (LO 1), into tile TB */
+#define BLOAD(TB, G, KC, LO)                                                                       \
+	_tile_loadd(TB, p + ((size_t)(G) * kcs + (KC)) * 32 * N + (LO) * 16 * N, N * 4)
 
-/* chunk KC: its weights into A tile TA, then every group */
-#define CHUNK(KC, TA)                                                                              \
-	do {                                                                                       \
-		if (nx)                                                                            \
-			for (int i = 0; i < 16; i++)                                               \
-				_mm_prefetch(nx + (KC) * 1024 + i * 64, _MM_HINT_T1);              \
-		_tile_loadd(TA, a + (KC) * 32, stride);                                            \
-		DP_GROUP(0, KC, TA, 0, 1);                                                         \
-		if (NG > 1)                                                                        \
-			DP_GROUP(1, KC, TA, 2, 3);                                                 \
-	} while (0)
+/* Where a block's rows go: rows [s, s + 16) of W, stored for s + lo to s + hi */
+struct rows16 {
+	uint32_t s, lo, hi;
+};
 
-/* Rows [s, s + 16) (s + 16 <= the matrix's rows) for NG (1 or 2) 16-token groups of p (C
- * tiles 0 to 2 NG - 1), stored for rows s + lo to s + hi. The A tile is loaded once per
- * chunk for every group. While it runs, the next tile's sixteen rows (contiguous: 32 K
- * bytes at nx, if any) are asked into L2, 1 KiB per chunk, so that its loads do not wait on
- * DRAM. (Into L2, not L1: sixteen rows 2 K bytes apart share two L1 sets.) */
-INLINE AMX void tile16(const uint16_t *w, size_t K, const uint32_t *p, const int NG, uint32_t N,
-		       uint32_t nt, float *const *y, uint32_t s, uint32_t lo, uint32_t hi, float *c,
-		       const char *nx)
+/* R (1 or 2) tiles of 16 weight rows by G (1 or 2) groups of tokens (N wide, nt in all):
+ * C tile i + 2g accumulates row tile i against group g, hi then lo, chunk by chunk in input
+ * order (the order every block of every shape keeps). Each B load serves R row tiles and
+ * each A load G groups. While it runs, the next block's rows (nx_rows of them, contiguous
+ * at nx, if any) are asked into L2, spread over the chunks, so that its loads do not wait
+ * on DRAM. (Into L2, not L1: sixteen rows 2 K bytes apart share two L1 sets.) */
+INLINE AMX void block(const uint16_t *w, size_t K, const uint32_t *p, const int R, const int G,
+		      uint32_t N, uint32_t nt, float *const *y, const struct rows16 *rt, float *c,
+		      const char *nx, uint32_t nx_rows)
 {
 	const size_t stride = K * 2, kcs = K / 32;
-	const uint16_t *a = w + (size_t)s * K;
+	const uint16_t *a0 = w + (size_t)rt[0].s * K, *a1 = w + (size_t)rt[R - 1].s * K;
 
 	_tile_zero(0);
-	_tile_zero(1);
-	if (NG > 1) {
+	if (R > 1)
+		_tile_zero(1);
+	if (G > 1) {
 		_tile_zero(2);
-		_tile_zero(3);
+		if (R > 1)
+			_tile_zero(3);
 	}
-	/* two A tiles in turn, so that a chunk's weights load while the last chunk's
-	 * products still read theirs */
-	for (size_t kc = 0; kc + 2 <= kcs; kc += 2) {
-		CHUNK(kc, 4);
-		CHUNK(kc + 1, 7);
+	for (size_t kc = 0; kc < kcs; kc++) {
+		if (nx)
+			for (uint32_t i = 0; i < nx_rows; i++)
+				_mm_prefetch(nx + (kc * nx_rows + i) * 64, _MM_HINT_T1);
+		_tile_loadd(4, a0 + kc * 32, stride);
+		if (R > 1)
+			_tile_loadd(5, a1 + kc * 32, stride);
+		if (G > 1) {
+			BLOAD(6, 0, kc, 0);
+			BLOAD(7, 1, kc, 0);
+			_tile_dpbf16ps(0, 4, 6);
+			if (R > 1)
+				_tile_dpbf16ps(1, 5, 6);
+			_tile_dpbf16ps(2, 4, 7);
+			if (R > 1)
+				_tile_dpbf16ps(3, 5, 7);
+			BLOAD(6, 0, kc, 1);
+			BLOAD(7, 1, kc, 1);
+			_tile_dpbf16ps(0, 4, 6);
+			if (R > 1)
+				_tile_dpbf16ps(1, 5, 6);
+			_tile_dpbf16ps(2, 4, 7);
+			if (R > 1)
+				_tile_dpbf16ps(3, 5, 7);
+		} else {
+			BLOAD(6, 0, kc, 0);
+			BLOAD(7, 0, kc, 1);
+			_tile_dpbf16ps(0, 4, 6);
+			if (R > 1)
+				_tile_dpbf16ps(1, 5, 6);
+			_tile_dpbf16ps(0, 4, 7);
+			if (R > 1)
+				_tile_dpbf16ps(1, 5, 7);
+		}
 	}
-	if (kcs & 1)
-		CHUNK(kcs - 1, 4);
 	_tile_stored(0, c, 64);
-	_tile_stored(1, c + 256, 64);
-	unpack16(c, c + 256, y, nt < 16 ? nt : 16, s, lo, hi);
-	if (NG > 1) {
+	if (R > 1)
+		_tile_stored(1, c + 256, 64);
+	if (G > 1) {
 		_tile_stored(2, c + 512, 64);
-		_tile_stored(3, c + 768, 64);
-		unpack16(c + 512, c + 768, y + 16, nt - 16, s, lo, hi);
+		if (R > 1)
+			_tile_stored(3, c + 768, 64);
 	}
+	for (int g = 0; g < G; g++)
+		for (int i = 0; i < R; i++)
+			unpack16(c + (i + 2 * g) * 256, y + g * 16,
+				 nt - g * 16 < 16 ? nt - g * 16 : 16, rt[i].s, rt[i].lo, rt[i].hi);
 }
 
-static void prefetch_tile(const struct ro_mat *W, uint32_t r)
+static void prefetch_rows(const struct ro_mat *W, uint32_t r, uint32_t n)
 {
 	const char *a = (const char *)W->w + (size_t)r * W->cols * 2;
 
-	for (size_t b = 0; b < (size_t)W->cols * 32; b += 64)
+	for (size_t b = 0; b < (size_t)W->cols * 2 * n; b += 64)
 		_mm_prefetch(a + b, _MM_HINT_T1);
+}
+
+/* The next block of rows at or after r (< r1): 32 rows when as many remain, else 16 (the
+ * last may start before r, never before row 0, and stores only [r, r1)) */
+static uint32_t next_block(const struct ro_mat *W, uint32_t r, uint32_t r1, struct rows16 *rt)
+{
+	if (r1 - r >= 32) {
+		rt[0] = (struct rows16){r, 0, 16};
+		rt[1] = (struct rows16){r + 16, 0, 16};
+		return 2;
+	}
+	rt[0].s = r + 16 <= W->rows ? r : W->rows - 16;
+	rt[0].lo = r - rt[0].s;
+	rt[0].hi = r1 - rt[0].s < 16 ? r1 - rt[0].s : 16;
+	return 1;
 }
 
 /* y_m[t][r0..r1) = W_m x[t] for the nm (1 or 2) matrices W_m, which share K: the tokens are
@@ -342,41 +378,65 @@ static AMX int gemm_amx(const struct ro_mat *const *Ws, float *const *const *ys,
 	p = buf_get((size_t)(AMX_TOK / 16) * (K / 32) * 512);
 	if (!p)
 		return -1;
-	/* the first tile's rows, before the loop asks for each next one */
-	prefetch_tile(Ws[0], r0);
+	/* the first block's rows, before the loop asks for each next one */
+	prefetch_rows(Ws[0], r0, r1 - r0 < 32 ? r1 - r0 : 32);
 	memset(c, 0, sizeof(c));
 	for (uint32_t t0 = 0; t0 < T; t0 += AMX_TOK) {
 		const uint32_t nt = T - t0 < AMX_TOK ? T - t0 : AMX_TOK, ng = (nt + 15) / 16;
 		/* tokens per group: 1, 2, 4, 8 or 16, the fewest that hold them (columns of
 		 * zeros cost B bytes: one token's are 64 bytes a chunk, sixteen's 1 KiB) */
 		const uint32_t N = nt <= 1 ? 1 : nt <= 2 ? 2 : nt <= 4 ? 4 : nt <= 8 ? 8 : 16;
+		const size_t gsz = (K / 32) * 32 * N; /* a group's packed dwords */
 
 		config(N);
 		for (uint32_t g = 0; g < ng; g++)
 			pack(x + t0 + g * 16, nt - g * 16 < 16 ? nt - g * 16 : 16, N, K,
-			     p + (size_t)g * (K / 32) * 32 * N);
+			     p + g * gsz);
 		for (int m = 0; m < nm; m++) {
 			const struct ro_mat *W = Ws[m];
 			const uint16_t *w = W->w;
 			float *const *y = ys[m] + t0;
+			struct rows16 rt[2], nrt[2] = {{0, 0, 0}, {0, 0, 0}};
+			uint32_t R = next_block(W, r0, r1, rt);
 
-			for (uint32_t r = r0; r < r1; r += 16) {
-				/* the last tile may start before r (never before row 0): it
-				 * computes rows it does not own and stores only [r, r1) */
-				const uint32_t s = r + 16 <= W->rows ? r : W->rows - 16;
-				const uint32_t lo = r - s, hi = r1 - s < 16 ? r1 - s : 16;
+			for (uint32_t r = r0; r < r1;) {
+				const uint32_t rn = r + 16 * R; /* the next block's first row */
 				const char *nx = NULL;
+				uint32_t nx_rows = 0, nR = 0;
 
-				if (r + 16 < r1)
-					nx = (const char *)(w + (size_t)(r + 16) * K);
-				else if (m + 1 < nm)
-					nx = (const char *)Ws[m + 1]->w + (size_t)r0 * K * 2;
-				else if (t0 + AMX_TOK < T)
-					nx = (const char *)Ws[0]->w + (size_t)r0 * K * 2;
-				if (ng == 1)
-					tile16(w, K, p, 1, N, nt, y, s, lo, hi, c, nx);
-				else
-					tile16(w, K, p, 2, N, nt, y, s, lo, hi, c, nx);
+				if (rn < r1) {
+					nR = next_block(W, rn, r1, nrt);
+					nx = (const char *)(w + (size_t)nrt[0].s * K);
+					nx_rows = 16 * nR;
+				} else if (m + 1 < nm || t0 + AMX_TOK < T) {
+					const struct ro_mat *Wn = m + 1 < nm ? Ws[m + 1] : Ws[0];
+
+					nx_rows = r1 - r0 < 32 ? r1 - r0 : 32;
+					nx = (const char *)Wn->w + (size_t)r0 * K * 2;
+				}
+				/* 32 tokens at a time; the next block is asked for in the first */
+				for (uint32_t g = 0; g < ng; g += 2) {
+					const uint32_t n = nt - g * 16 < 32 ? nt - g * 16 : 32;
+					const uint32_t *pg = p + g * gsz;
+					const char *pnx = g ? NULL : nx;
+
+					if (R == 2 && n > 16)
+						block(w, K, pg, 2, 2, N, n, y + g * 16, rt, c, pnx,
+						      nx_rows);
+					else if (R == 2)
+						block(w, K, pg, 2, 1, N, n, y + g * 16, rt, c, pnx,
+						      nx_rows);
+					else if (n > 16)
+						block(w, K, pg, 1, 2, N, n, y + g * 16, rt, c, pnx,
+						      nx_rows);
+					else
+						block(w, K, pg, 1, 1, N, n, y + g * 16, rt, c, pnx,
+						      nx_rows);
+				}
+				r = rn;
+				R = nR;
+				rt[0] = nrt[0];
+				rt[1] = nrt[1];
 			}
 		}
 	}
