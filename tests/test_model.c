@@ -700,6 +700,29 @@ Test(model, avx2_kernels_match_reference)
 	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
 }
 
+/* The AVX-512 FMA kernels where AMX would run the bf16 matrices (RO_KERNELS=avx512 caps a
+ * machine with AMX at them): bf16 against the reference. (tests/test_gemm checks every
+ * kernel's batch invariance on its own.) */
+Test(model, avx512_kernels_match_reference)
+{
+	struct ro_model *m;
+
+#if defined(__x86_64__)
+	__builtin_cpu_init();
+	if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+	    !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("avx512vl"))
+#endif
+		cr_skip_test("this CPU has no AVX-512");
+	cr_assert_eq(setenv("RO_KERNELS", "avx512", 1), 0);
+	make("q3bf16x", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	m = load("q3bf16x", false);
+	cr_expect_str_eq(ro_model_kernels(m), "avx512+fma");
+	ro_model_free(m);
+	agree_dir("q3bf16x", "BF16", false);
+	agree("mxbf16x", RO_ARCH_MIXTRAL, "BF16", 1, 0, false);
+	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
+}
+
 Test(model, prefill_chunking_is_bitwise_invariant)
 {
 	static const int32_t p[] = {1, 9, 8, 100, 31, 4, 4, 4, 250, 17, 66, 12, 90};
