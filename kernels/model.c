@@ -379,8 +379,8 @@ uint32_t ro_chunk_for(const struct ro_model *m, uint32_t rows, uint32_t T, uint3
 	uint32_t c;
 
 	/* AMX packs a call's tokens for its tiles (a few microseconds per 16 tokens of 1,024
-	 * inputs) once per call: a chunk per thread, not four */
-	if (ro_kernels_amx())
+	 * inputs) once per call: past 16 tokens, a chunk per thread, not four */
+	if (ro_kernels_amx() && T > 16)
 		want = th;
 	if (want < 1)
 		want = 1;
@@ -388,7 +388,6 @@ uint32_t ro_chunk_for(const struct ro_model *m, uint32_t rows, uint32_t T, uint3
 	c = (c + 3) & ~3u;
 	if (c < 16)
 		c = 16;
-	(void)T;
 	return c;
 }
 
