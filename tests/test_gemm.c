@@ -88,16 +88,17 @@ static void check_exact(const struct mat *m, uint32_t r0, uint32_t r1, const cha
 			double s = 0, mag = 0;
 
 			for (uint32_t k = 0; k < m->W.cols; k++) {
-				double p = (double)bf16_f(m->w[(size_t)r * m->W.cols + k]) *
-					   m->x[t][k];
+				double p =
+				    (double)bf16_f(m->w[(size_t)r * m->W.cols + k]) * m->x[t][k];
 
 				s += p;
 				mag += fabs(p);
 			}
-			cr_assert(fabs(m->y[t][r] - s) <= 2e-5 * mag + 1e-30,
-				  "%s %s %ux%u T=%u: token %u row %u: %.9g, float64 %.9g (scale %g)",
-				  ro_kernels_name(), what, m->W.rows, m->W.cols, m->T, t, r,
-				  m->y[t][r], s, mag);
+			cr_assert(
+			    fabs(m->y[t][r] - s) <= 2e-5 * mag + 1e-30,
+			    "%s %s %ux%u T=%u: token %u row %u: %.9g, float64 %.9g (scale %g)",
+			    ro_kernels_name(), what, m->W.rows, m->W.cols, m->T, t, r, m->y[t][r],
+			    s, mag);
 		}
 }
 
@@ -119,7 +120,7 @@ static bool use(const char *cap)
 
 Test(gemm, every_kernel_matches_float64)
 {
-	static const uint32_t shapes[][2] = {{16, 32}, {40, 64}, {7, 96}, {64, 1024},
+	static const uint32_t shapes[][2] = {{16, 32},	 {40, 64}, {7, 96},   {64, 1024},
 					     {257, 256}, {33, 40}, {100, 288}};
 	static const uint32_t Ts[] = {1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 33, 70};
 	int ran = 0;
@@ -192,8 +193,8 @@ Test(gemm, a_token_is_bitwise_the_same_in_any_batch)
 					uint32_t r1 = r0 + 1 + rnd() % 37;
 
 					r1 = r1 < R ? r1 : R;
-					ro_gemm_ptrs(&m.W, (const float *const *)m.x + t, 1, &one, r0,
-						     r1);
+					ro_gemm_ptrs(&m.W, (const float *const *)m.x + t, 1, &one,
+						     r0, r1);
 					r0 = r1;
 				}
 				cr_assert_eq(memcmp(one, alone, R * sizeof(float)), 0,
@@ -211,7 +212,8 @@ Test(gemm, a_token_is_bitwise_the_same_in_any_batch)
 					y1[t] = malloc(R * sizeof(float));
 				}
 				ro_gemm_ptrs(&u.W, (const float *const *)m.x, T, yu, 0, R);
-				ro_gemm_ptrs2(&m.W, &u.W, (const float *const *)m.x, T, y1, y2, 0, R);
+				ro_gemm_ptrs2(&m.W, &u.W, (const float *const *)m.x, T, y1, y2, 0,
+					      R);
 				for (uint32_t t = 0; t < T; t++) {
 					cr_assert_eq(memcmp(y1[t], m.y[t], R * sizeof(float)), 0);
 					cr_assert_eq(memcmp(y2[t], yu[t], R * sizeof(float)), 0);
