@@ -385,7 +385,9 @@ uint32_t ro_chunk_for(const struct ro_model *m, uint32_t rows, uint32_t T, uint3
 	if (want < 1)
 		want = 1;
 	c = (rows + want - 1) / want;
-	c = (c + 3) & ~3u;
+	/* whole blocks: AMX runs 32 rows a block (a chunk of 36 would run a 16-row tile for
+	 * its last 4) */
+	c = ro_kernels_amx() ? (c + 31) & ~31u : (c + 3) & ~3u;
 	if (c < 16)
 		c = 16;
 	return c;

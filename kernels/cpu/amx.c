@@ -35,20 +35,24 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+static bool amx_ok;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_probe(void)
+{
+	__builtin_cpu_init();
+	/* the kernel must also grant the tile data state to this process */
+	amx_ok = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+		 __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f") &&
+		 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+		 __builtin_cpu_supports("avx512dq") &&
+		 syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
 bool ro_amx_available(void)
 {
-	static int ok = -1;
-
-	if (ok < 0) {
-		__builtin_cpu_init();
-		/* the kernel must also grant the tile data state to this process */
-		ok = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-		     __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f") &&
-		     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-		     __builtin_cpu_supports("avx512dq") &&
-		     syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-	}
-	return ok;
+	(void)pthread_once(&amx_once, amx_probe);
+	return amx_ok;
 }
 
 bool ro_amx_fits(const struct ro_mat *W)
@@ -105,9 +109,11 @@ static pthread_once_t buf_once = PTHREAD_ONCE_INIT;
 static __thread uint32_t *buf;
 static __thread size_t buf_len; /* in uint32 */
 
+static bool buf_key_ok;
+
 static void buf_key_make(void)
 {
-	(void)pthread_key_create(&buf_key, free);
+	buf_key_ok = pthread_key_create(&buf_key, free) == 0;
 }
 
 static uint32_t *buf_get(size_t n)
@@ -121,7 +127,8 @@ static uint32_t *buf_get(size_t n)
 		buf = p;
 		buf_len = n;
 		(void)pthread_once(&buf_once, buf_key_make);
-		(void)pthread_setspecific(buf_key, buf);
+		if (buf_key_ok) /* else the buffer outlives its thread: a leak, not a fault */
+			(void)pthread_setspecific(buf_key, buf);
 	}
 	return buf;
 }
@@ -378,14 +385,24 @@ static AMX int gemm_amx(const struct ro_mat *const *Ws, float *const *const *ys,
 	float c[1024] __attribute__((aligned(64)));
 	uint32_t *p;
 
-	p = buf_get((size_t)(AMX_TOK / 16) * (K / 32) * 512);
+	/* tokens per pass: all of them up to AMX_TOK (whole groups of 16); where that buffer
+	 * cannot be had, 16 (the results are the same bits whatever the pass: a token's
+	 * output depends on its own column alone), so that a matrix never leaves AMX for
+	 * want of memory unless even K x 64 bytes are refused */
+	uint32_t tok = T < AMX_TOK ? (T + 15) & ~15u : AMX_TOK;
+
+	p = buf_get((size_t)(tok / 16) * (K / 32) * 512);
+	if (!p && tok > 16) {
+		tok = 16;
+		p = buf_get((K / 32) * 512);
+	}
 	if (!p)
 		return -1;
 	/* the first block's rows, before the loop asks for each next one */
 	prefetch_rows(Ws[0], r0, r1 - r0 < 32 ? r1 - r0 : 32);
 	memset(c, 0, sizeof(c));
-	for (uint32_t t0 = 0; t0 < T; t0 += AMX_TOK) {
-		const uint32_t nt = T - t0 < AMX_TOK ? T - t0 : AMX_TOK, ng = (nt + 15) / 16;
+	for (uint32_t t0 = 0; t0 < T; t0 += tok) {
+		const uint32_t nt = T - t0 < tok ? T - t0 : tok, ng = (nt + 15) / 16;
 		/* tokens per group: 1, 2, 4, 8 or 16, the fewest that hold them (columns of
 		 * zeros cost B bytes: one token's are 64 bytes a chunk, sixteen's 1 KiB) */
 		const uint32_t N = nt <= 1 ? 1 : nt <= 2 ? 2 : nt <= 4 ? 4 : nt <= 8 ? 8 : 16;
@@ -411,7 +428,7 @@ static AMX int gemm_amx(const struct ro_mat *const *Ws, float *const *const *ys,
 					nR = next_block(W, rn, r1, nrt);
 					nx = (const char *)(w + (size_t)nrt[0].s * K);
 					nx_rows = 16 * nR;
-				} else if (m + 1 < nm || t0 + AMX_TOK < T) {
+				} else if (m + 1 < nm || t0 + tok < T) {
 					const struct ro_mat *Wn = m + 1 < nm ? Ws[m + 1] : Ws[0];
 
 					nx_rows = r1 - r0 < 32 ? r1 - r0 : 32;

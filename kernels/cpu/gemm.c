@@ -54,11 +54,14 @@ static bool cpu_has_avx512(void)
 static int kern_best(void)
 {
 	const char *cap = getenv("RO_KERNELS");
-	int best = cpu_has_avx512() ? (ro_amx_available() ? 3 : 2) : ro_cpu_has_avx2() ? 1 : 0;
+	const bool capped = cap && (!strcmp(cap, "avx512") || !strcmp(cap, "avx2") ||
+				    !strcmp(cap, "scalar"));
+	/* (AMX is asked of the kernel only when it may run) */
+	int best = cpu_has_avx512() ? (!capped && ro_amx_available() ? 3 : 2)
+		   : ro_cpu_has_avx2() ? 1
+				       : 0;
 
-	if (cap && !strcmp(cap, "avx512") && best > 2)
-		best = 2;
-	else if (cap && !strcmp(cap, "avx2") && best > 1)
+	if (cap && !strcmp(cap, "avx2") && best > 1)
 		best = 1;
 	else if (cap && !strcmp(cap, "scalar"))
 		best = 0;

@@ -86,8 +86,8 @@ void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids
 
 /* Rows of W per task: gate and up in panels of PANEL_GU rows (of each), down in panels of
  * PANEL_D output rows; on AMX a task takes an expert's whole gate and up, or its whole
- * down, so that its tokens are packed for the tiles once (ro_gemm_ptrs2) rather than per
- * panel. An expert's weights are streamed once per step for all of its rows, and threads
+ * down (fewer, larger panels when few experts are active), so that its tokens are packed
+ * for the tiles once (ro_gemm_ptrs2) rather than per panel. An expert's weights are streamed once per step for all of its rows, and threads
  * take different (expert, panel) pairs, so they read different weights. */
 #define PANEL_GU 64
 #define PANEL_D 128
@@ -199,8 +199,12 @@ int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 	k.p_gu = PANEL_GU;
 	k.p_d = PANEL_D;
 	if (ro_kernels_amx() && ro_amx_fits(&k.L->gate[act[0]])) {
-		k.p_gu = F;
-		k.p_d = H;
+		/* whole experts, unless too few are active to give every thread two tasks
+		 * (batch 1 of a top-2 model on many threads): then panels of whole blocks */
+		const uint32_t want = 2 * ro_pool_size(m->pool), per = (want + n_act - 1) / n_act;
+
+		k.p_gu = per > 1 ? (((F + per - 1) / per + 31) & ~31u) : F;
+		k.p_d = per > 1 ? (((H + per - 1) / per + 31) & ~31u) : H;
 	}
 	k.n_gu = (F + k.p_gu - 1) / k.p_gu;
 	k.n_d = (H + k.p_d - 1) / k.p_d;

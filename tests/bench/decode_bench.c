@@ -240,11 +240,12 @@ struct tilecfg {
 };
 
 /* TDPBF16PS into four independent C tiles (16 x 16 f32) from A and B tiles held in
- * registers: the core's AMX-BF16 peak, as fma_thread is its FMA peak. */
+ * registers (zeros: the unit's throughput does not depend on the values): the core's
+ * AMX-BF16 peak, as fma_thread is its FMA peak. */
 __attribute__((target("amx-tile,amx-bf16"))) static void *amx_thread(void *p)
 {
 	long iters = *(long *)p;
-	static const uint16_t ones[512] __attribute__((aligned(64))) = {0};
+	static const uint16_t zeros[512] __attribute__((aligned(64))) = {0};
 	struct tilecfg cfg;
 
 	memset(&cfg, 0, sizeof(cfg));
@@ -261,10 +262,10 @@ __attribute__((target("amx-tile,amx-bf16"))) static void *amx_thread(void *p)
 	_tile_zero(1);
 	_tile_zero(2);
 	_tile_zero(3);
-	_tile_loadd(4, ones, 64);
-	_tile_loadd(5, ones, 64);
-	_tile_loadd(6, ones, 64);
-	_tile_loadd(7, ones, 64);
+	_tile_loadd(4, zeros, 64);
+	_tile_loadd(5, zeros, 64);
+	_tile_loadd(6, zeros, 64);
+	_tile_loadd(7, zeros, 64);
 	for (long k = 0; k < iters; k++) {
 		_tile_dpbf16ps(0, 4, 5);
 		_tile_dpbf16ps(1, 4, 6);
