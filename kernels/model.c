@@ -301,16 +301,16 @@ static void route_one(void *arg, uint32_t t)
 		 k->w + (size_t)t * k->c->top_k);
 }
 
-/* norm_one for T tokens: on the pool from 8 tokens up (below, a job costs more than it
- * saves) */
-static void norms(struct ro_model *m, const struct norm_task *k, uint32_t T)
+/* fn(arg, t) for the T tokens: on the pool from 8 tokens up (below, a job costs more than
+ * it saves) */
+static void per_token(struct ro_model *m, uint32_t T, void (*fn)(void *, uint32_t), void *arg)
 {
 	if (T >= 8) {
-		ro_pool_for(m->pool, T, norm_one, (void *)k);
+		ro_pool_for(m->pool, T, fn, arg);
 		return;
 	}
 	for (uint32_t t = 0; t < T; t++)
-		norm_one((void *)k, t);
+		fn(arg, t);
 }
 
 /* Seconds since *t, and *t moved to now: the forward's phase timer (a few dozen calls per
@@ -376,18 +376,19 @@ static void run_job(void *arg, uint32_t i)
 uint32_t ro_chunk_for(const struct ro_model *m, uint32_t rows, uint32_t T, uint32_t mats)
 {
 	uint32_t th = ro_pool_size(m->pool), want = th * 4 / (mats ? mats : 1);
+	const bool amx = ro_kernels_amx();
 	uint32_t c;
 
 	/* AMX packs a call's tokens for its tiles (a few microseconds per 16 tokens of 1,024
 	 * inputs) once per call: past 16 tokens, a chunk per thread, not four */
-	if (ro_kernels_amx() && T > 16)
+	if (amx && T > 16)
 		want = th;
 	if (want < 1)
 		want = 1;
 	c = (rows + want - 1) / want;
 	/* whole blocks: AMX runs 32 rows a block (a chunk of 36 would run a 16-row tile for
 	 * its last 4) */
-	c = ro_kernels_amx() ? (c + 31) & ~31u : (c + 3) & ~3u;
+	c = amx ? (c + 31) & ~31u : (c + 3) & ~3u;
 	if (c < 16)
 		c = 16;
 	return c;
@@ -566,8 +567,8 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			const struct layer *L = &m->L[l];
 
 			f.layer = l;
-			norms(m, &(struct norm_task){f.x, NULL, NULL, L->in_norm, H, c->rms_eps, f.h},
-			      T);
+			per_token(m, T, norm_one,
+				  &(struct norm_task){f.x, NULL, NULL, L->in_norm, H, c->rms_eps, f.h});
 			if ((r = ro_jobs_add(&J, &L->q, f.h, T, f.q, qd, ro_chunk_for(m, qd, T, 3))) ||
 			    (r = ro_jobs_add(&J, &L->k, f.h, T, f.k, kvd, ro_chunk_for(m, kvd, T, 3))) ||
 			    (r = ro_jobs_add(&J, &L->v, f.h, T, f.v, kvd, ro_chunk_for(m, kvd, T, 3))))
@@ -584,8 +585,8 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			if ((r = ro_jobs_add(&J, &L->o, f.att, T, f.h, H, ro_chunk_for(m, H, T, 1))))
 				goto out;
 			ro_run_jobs(m, &J);
-			norms(m, &(struct norm_task){f.x, f.h, L->bo, L->post_norm, H, c->rms_eps, f.h},
-			      T);
+			per_token(m, T, norm_one,
+				  &(struct norm_task){f.x, f.h, L->bo, L->post_norm, H, c->rms_eps, f.h});
 			m->split.attention += lap(&tm);
 			if (L->dense) {
 				float *g = scratch, *u = g + (size_t)T * L->ffn,
@@ -610,15 +611,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 					  ro_chunk_for(m, c->experts, T, 1))))
 				goto out;
 			ro_run_jobs(m, &J);
-			{
-				struct route_task rk = {c, router, ids, rw};
-
-				if (T >= 8)
-					ro_pool_for(m->pool, T, route_one, &rk);
-				else
-					for (t = 0; t < T; t++)
-						route_one(&rk, t);
-			}
+			per_token(m, T, route_one, &(struct route_task){c, router, ids, rw});
 			m->split.router += lap(&tm);
 			if (m->have_xch)
 				r = m->xch.exchange(m->xch.ctx, l, f.h, ids, rw, T, K, H, moe_out);

@@ -219,7 +219,7 @@ INLINE AMX void pack(const float *const *x, uint32_t nt, uint32_t N, size_t K, u
 		uint32_t *ph = p + kc * 32 * N, *pl = ph + 16 * N;
 		__m512i h[16], l[16];
 
-		for (uint32_t n = 0; n < N; n++) {
+		for (uint32_t n = 0; n < 16; n++) {
 			if (n < nt) {
 				const __m512 a = _mm512_loadu_ps(x[n] + kc * 32),
 					     b = _mm512_loadu_ps(x[n] + kc * 32 + 16);
@@ -233,8 +233,6 @@ INLINE AMX void pack(const float *const *x, uint32_t nt, uint32_t N, size_t K, u
 				h[n] = l[n] = _mm512_setzero_si512();
 			}
 		}
-		for (uint32_t n = N; n < 16; n++)
-			h[n] = l[n] = _mm512_setzero_si512();
 		if (N == 1) {
 			_mm512_storeu_si512(ph, h[0]);
 			_mm512_storeu_si512(pl, l[0]);
@@ -278,6 +276,19 @@ INLINE AMX void unpack16(const float *c, float *const *y, uint32_t nt, uint32_t 
 #define BLOAD(TB, G, KC, LO) \
 	_tile_loadd(TB, p + ((size_t)(G)*kcs + (KC)) * 32 * N + (LO)*16 * N, N * 4)
 
+/* Both groups' hi (LO 0) or lo (LO 1) tiles of chunk kc against both row tiles */
+#define HALF2(LO)                                \
+	do {                                     \
+		BLOAD(6, 0, kc, LO);             \
+		BLOAD(7, 1, kc, LO);             \
+		_tile_dpbf16ps(0, 4, 6);         \
+		if (R > 1)                       \
+			_tile_dpbf16ps(1, 5, 6); \
+		_tile_dpbf16ps(2, 4, 7);         \
+		if (R > 1)                       \
+			_tile_dpbf16ps(3, 5, 7); \
+	} while (0)
+
 /* Where a block's rows go: rows [s, s + 16) of W, stored for s + lo to s + hi */
 struct rows16 {
 	uint32_t s, lo, hi;
@@ -312,22 +323,8 @@ INLINE AMX void block(const uint16_t *w, size_t K, const uint32_t *p, const int 
 		if (R > 1)
 			_tile_loadd(5, a1 + kc * 32, stride);
 		if (G > 1) {
-			BLOAD(6, 0, kc, 0);
-			BLOAD(7, 1, kc, 0);
-			_tile_dpbf16ps(0, 4, 6);
-			if (R > 1)
-				_tile_dpbf16ps(1, 5, 6);
-			_tile_dpbf16ps(2, 4, 7);
-			if (R > 1)
-				_tile_dpbf16ps(3, 5, 7);
-			BLOAD(6, 0, kc, 1);
-			BLOAD(7, 1, kc, 1);
-			_tile_dpbf16ps(0, 4, 6);
-			if (R > 1)
-				_tile_dpbf16ps(1, 5, 6);
-			_tile_dpbf16ps(2, 4, 7);
-			if (R > 1)
-				_tile_dpbf16ps(3, 5, 7);
+			HALF2(0);
+			HALF2(1);
 		} else {
 			BLOAD(6, 0, kc, 0);
 			BLOAD(7, 0, kc, 1);

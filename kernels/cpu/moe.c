@@ -87,8 +87,9 @@ void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids
 /* Rows of W per task: gate and up in panels of PANEL_GU rows (of each), down in panels of
  * PANEL_D output rows; on AMX a task takes an expert's whole gate and up, or its whole
  * down (fewer, larger panels when few experts are active), so that its tokens are packed
- * for the tiles once (ro_gemm_ptrs2) rather than per panel. An expert's weights are streamed once per step for all of its rows, and threads
- * take different (expert, panel) pairs, so they read different weights. */
+ * for the tiles once (ro_gemm_ptrs2) rather than per panel. An expert's weights are
+ * streamed once per step for all of its rows, and threads take different (expert, panel)
+ * pairs, so they read different weights. */
 #define PANEL_GU 64
 #define PANEL_D 128
 

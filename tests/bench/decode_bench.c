@@ -277,33 +277,39 @@ __attribute__((target("amx-tile,amx-bf16"))) static void *amx_thread(void *p)
 }
 #endif
 
-/* bf16 FLOPs per second (a multiply-add is two) of AMX over all threads, best of 3; 0 where
- * the CPU or the kernel does not give it. */
-static double amx_throughput(uint32_t threads)
+/* FLOPs per second over all threads, best of 3: each thread runs fn for iters iterations
+ * of flops_per_iter FLOPs. */
+static double best_rate(uint32_t threads, void *(*fn)(void *), long iters, double flops_per_iter)
 {
-#if defined(__x86_64__) && defined(__linux__)
-	const long iters = 2000000;
 	pthread_t th[64];
 	long arg[64];
 	double best = 0;
 
-	__builtin_cpu_init();
-	if (!__builtin_cpu_supports("amx-bf16") ||
-	    syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */))
-		return 0;
 	for (int rep = 0; rep < 3; rep++) {
 		double t0 = now(), f;
 
 		for (uint32_t t = 0; t < threads; t++) {
 			arg[t] = iters;
-			pthread_create(&th[t], NULL, amx_thread, &arg[t]);
+			pthread_create(&th[t], NULL, fn, &arg[t]);
 		}
 		for (uint32_t t = 0; t < threads; t++)
 			pthread_join(th[t], NULL);
-		f = (double)threads * iters * 4 * 16 * 16 * 32 * 2 / (now() - t0);
+		f = (double)threads * iters * flops_per_iter / (now() - t0);
 		best = f > best ? f : best;
 	}
 	return best;
+}
+
+/* bf16 FLOPs per second (a multiply-add is two) of AMX over all threads, best of 3; 0 where
+ * the CPU or the kernel does not give it. */
+static double amx_throughput(uint32_t threads)
+{
+#if defined(__x86_64__) && defined(__linux__)
+	__builtin_cpu_init();
+	if (!__builtin_cpu_supports("amx-bf16") ||
+	    syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */))
+		return 0;
+	return best_rate(threads, amx_thread, 2000000, 4.0 * 16 * 16 * 32 * 2);
 #else
 	(void)threads;
 	return 0;
@@ -315,25 +321,8 @@ static double amx_throughput(uint32_t threads)
 static double fma_throughput(uint32_t threads, int lanes)
 {
 #if defined(__x86_64__)
-	const long iters = 20000000;
-	pthread_t th[64];
-	long arg[64];
-	double best = 0;
-
-	for (int rep = 0; rep < 3; rep++) {
-		double t0 = now(), f;
-
-		for (uint32_t t = 0; t < threads; t++) {
-			arg[t] = iters;
-			pthread_create(&th[t], NULL, lanes == 16 ? fma512_thread : fma_thread,
-				       &arg[t]);
-		}
-		for (uint32_t t = 0; t < threads; t++)
-			pthread_join(th[t], NULL);
-		f = (double)threads * iters * 10 * lanes * 2 / (now() - t0);
-		best = f > best ? f : best;
-	}
-	return best;
+	return best_rate(threads, lanes == 16 ? fma512_thread : fma_thread, 20000000,
+			 10.0 * lanes * 2);
 #else
 	(void)threads;
 	(void)lanes;
