@@ -99,6 +99,10 @@ struct ro_pool *ro_pool_free(struct ro_pool *p);
 uint32_t ro_pool_size(const struct ro_pool *p);
 /* fn(arg, i) for i in [0, n), spread over the pool; returns when all are done. */
 void ro_pool_for(struct ro_pool *p, uint32_t n, void (*fn)(void *arg, uint32_t i), void *arg);
+/* This thread's scratch of at least `bytes` (64-byte aligned), kept between calls and freed
+ * at thread exit; NULL without the memory. One user at a time: the matrix kernels (AMX's
+ * packed activations, the AVX-512 panels packed from row-major weights). */
+void *ro_thread_scratch(size_t bytes);
 
 /* ---- CPU kernels ---------------------------------------------------------------------------- */
 
@@ -113,6 +117,9 @@ struct ro_mat {
 	/* the tensors w and scale are, in place in their mapping; NULL once copied or owned
 	 * (the loader's huge pages) */
 	const struct ro_tensor *src, *src_scale;
+	/* BF16 in 16-row panels (ro_panel_pack) rather than row-major; set by the loader's
+	 * copy when ro_panel_wanted */
+	bool panel;
 };
 
 /* y[t][r0..r1) = W[r0..r1) . x[t] for t < T. Every (row, token) dot product runs the same
@@ -137,6 +144,16 @@ bool ro_kernels_amx(void);
 bool ro_amx_available(void);
 /* W runs on AMX when it is in use: bf16, inputs a multiple of 32, at least 16 rows. */
 bool ro_amx_fits(const struct ro_mat *W);
+/* The AVX-512 kernels run W faster in panels: 16 rows at a time, each 32-bit word two
+ * consecutive inputs of one row, word (p, k/2, i) = W[16p + i][k] | W[16p + i][k + 1] << 16,
+ * so one 64-byte load is 16 rows x 2 inputs, widened by a shift and a mask and summed
+ * with broadcast inputs, no horizontal sums. Wanted for a row-major BF16 matrix of rows a
+ * multiple of 16 and even cols when the AVX-512 kernels (not AMX) are in use. */
+bool ro_panel_wanted(const struct ro_mat *W);
+/* src (row-major rows x cols bf16) into dst in panels (rows * cols elements). */
+void ro_panel_pack(const uint16_t *src, uint32_t rows, uint32_t cols, uint16_t *dst);
+/* The row-major index of element i of a panelled rows x cols matrix. */
+uint64_t ro_panel_index(uint64_t i, uint32_t cols);
 /* ro_gemm_ptrs on AMX; -1 (nothing written) when its packing buffer cannot be had. */
 int ro_gemm_amx(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
 		uint32_t r0, uint32_t r1);

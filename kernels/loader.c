@@ -614,6 +614,7 @@ struct scan {
 	const struct ro_tensor **t;
 	const void **data; /* what is scanned of each: its mapping, or the huge-page copy */
 	uint64_t *bad;	   /* per tensor: first non-finite element + 1, or 0 */
+	uint32_t *pcols;   /* per tensor: its cols where data is in panels, else 0 */
 };
 
 /* Whether element k of data (of dtype dt) is NaN or infinite. */
@@ -696,16 +697,18 @@ static void scan_one(void *arg, uint32_t i)
  * meaningless: refused at load, with the tensor and the element named. copy[i], where
  * not NULL, is tensor i's huge-page copy: scanned instead of its mapping, which is then
  * never touched. */
-static int check_finite(struct ro_model *m, const void *const *copy, char *err, size_t errlen)
+static int check_finite(struct ro_model *m, const void *const *copy, const uint32_t *panel_cols,
+			char *err, size_t errlen)
 {
 	const size_t n = ro_st_count(m->st);
 	struct scan sc = {.t = calloc(n, sizeof(*sc.t)),
 			  .data = calloc(n, sizeof(*sc.data)),
-			  .bad = calloc(n, sizeof(*sc.bad))};
+			  .bad = calloc(n, sizeof(*sc.bad)),
+			  .pcols = calloc(n, sizeof(*sc.pcols))};
 	uint32_t k = 0;
 	int r = 0;
 
-	if (!sc.t || !sc.data || !sc.bad) {
+	if (!sc.t || !sc.data || !sc.bad || !sc.pcols) {
 		r = -ENOMEM;
 		goto out;
 	}
@@ -713,26 +716,32 @@ static int check_finite(struct ro_model *m, const void *const *copy, char *err, 
 		if (m->used[i]) {
 			sc.t[k] = ro_st_at(m->st, i);
 			sc.data[k] = copy && copy[i] ? copy[i] : sc.t[k]->data;
+			sc.pcols[k] = copy && copy[i] && panel_cols ? panel_cols[i] : 0;
 			k++;
 		}
 	ro_pool_for(m->pool, k, scan_one, &sc);
 	for (uint32_t i = 0; i < k && !r; i++)
 		if (sc.bad[i]) {
 			const struct ro_tensor *t = sc.t[i];
+			/* the element as the file numbers it (a panelled copy is reordered; its
+			 * first bad element in the copy's order is named) */
+			const uint64_t at =
+			    sc.pcols[i] ? ro_panel_index(sc.bad[i] - 1, sc.pcols[i]) : sc.bad[i] - 1;
 			float v = t->dtype == RO_F32	  ? 0
 				  : t->dtype == RO_F8E4M3 ? NAN
-							  : ro_elem(t, sc.bad[i] - 1);
+							  : ro_elem(t, at);
 
 			if (t->dtype == RO_F32)
 				memcpy(&v, (const uint8_t *)sc.data[i] + 4 * (sc.bad[i] - 1), 4);
 			r = ro_errf(err, errlen, -EINVAL, "%s: tensor %s: element %llu is %s",
-				    ro_st_file(m->st, t), t->name,
-				    (unsigned long long)(sc.bad[i] - 1), isnan(v) ? "NaN" : "infinite");
+				    ro_st_file(m->st, t), t->name, (unsigned long long)at,
+				    isnan(v) ? "NaN" : "infinite");
 		}
 out:
 	free(sc.t);
 	free(sc.data);
 	free(sc.bad);
+	free(sc.pcols);
 	return r;
 }
 
@@ -844,10 +853,20 @@ static void pin_one(const struct ro_st_set *st, const struct ro_tensor *t, uint8
 static void pin_copy(void *arg, uint32_t i)
 {
 	struct pin_job *j = arg;
-	const struct ro_mat *w = j->mat[i];
+	struct ro_mat *w = j->mat[i];
 	uint8_t *d = j->base + j->off[i];
+	uint16_t *tmp;
 
-	pin_one(j->st, w->src, d);
+	/* in panels where the kernels run them faster (ro_panel_wanted): read, then packed;
+	 * without the memory for the read, as the file has it */
+	if (ro_panel_wanted(w) && (tmp = malloc(w->src->bytes))) {
+		pin_one(j->st, w->src, (uint8_t *)tmp);
+		ro_panel_pack(tmp, w->rows, w->cols, (uint16_t *)d);
+		free(tmp);
+		w->panel = true;
+	} else {
+		pin_one(j->st, w->src, d);
+	}
 	if (w->src_scale)
 		pin_one(j->st, w->src_scale, d + pin_round(w->src->bytes));
 }
@@ -874,10 +893,12 @@ static bool thp_enabled(char *why, size_t len)
 	return true;
 }
 
-/* Copies the weights and fills copy[] (per tensor index: where its copy is) for the NaN
+/* Copies the weights and fills copy[] (per tensor index: where its copy is; panel_cols[]:
+ * its cols where the copy is in panels, else 0) for the NaN
  * scan. Never fails the load for want of a region: the weights then stay where they are
  * (pin_why says why). */
-static int pin_weights(struct ro_model *m, const struct ro_model_opts *o, const void **copy)
+static int pin_weights(struct ro_model *m, const struct ro_model_opts *o, const void **copy,
+		       uint32_t *panel_cols)
 {
 	struct pin_job j = {.st = m->st};
 	uint64_t total = 0;
@@ -918,6 +939,8 @@ static int pin_weights(struct ro_model *m, const struct ro_model_opts *o, const 
 		const uint8_t *d = j.base + j.off[i];
 
 		copy[ro_st_index(m->st, w->src)] = d;
+		if (w->panel)
+			panel_cols[ro_st_index(m->st, w->src)] = w->cols;
 		w->w = d;
 		if (w->src_scale) {
 			d += pin_round(w->src->bytes);
@@ -966,6 +989,7 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 {
 	struct ro_model *m = calloc(1, sizeof(*m));
 	const void **copy = NULL;
+	uint32_t *panel_cols = NULL;
 	long ncpu;
 	uint32_t threads;
 	int r;
@@ -1033,13 +1057,15 @@ int ro_model_load(const char *dir, const struct ro_model_opts *o, struct ro_mode
 		goto fail;
 	if (o && o->hugepages) {
 		copy = calloc(ro_st_count(m->st) + 1, sizeof(*copy));
-		r = copy ? pin_weights(m, o, copy) : -ENOMEM;
+		panel_cols = calloc(ro_st_count(m->st) + 1, sizeof(*panel_cols));
+		r = copy && panel_cols ? pin_weights(m, o, copy, panel_cols) : -ENOMEM;
 	} else {
 		(void)snprintf(m->pin_why, sizeof(m->pin_why), "off");
 	}
 	if (!r)
-		r = check_finite(m, copy, err, errlen);
+		r = check_finite(m, copy, panel_cols, err, errlen);
 	free(copy);
+	free(panel_cols);
 	if (r)
 		goto fail;
 	m->dir = NULL;

@@ -387,8 +387,8 @@ uint32_t ro_chunk_for(const struct ro_model *m, uint32_t rows, uint32_t T, uint3
 		want = 1;
 	c = (rows + want - 1) / want;
 	/* whole blocks: AMX runs 32 rows a block (a chunk of 36 would run a 16-row tile for
-	 * its last 4) */
-	c = amx ? (c + 31) & ~31u : (c + 3) & ~3u;
+	 * its last 4), the AVX-512 panels 16 */
+	c = amx ? (c + 31) & ~31u : (c + 15) & ~15u;
 	if (c < 16)
 		c = 16;
 	return c;

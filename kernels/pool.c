@@ -178,3 +178,33 @@ void ro_pool_for(struct ro_pool *p, uint32_t n, void (*fn)(void *arg, uint32_t i
 	while (atomic_load_explicit(&p->state, memory_order_acquire) & ST_INSIDE)
 		cpu_relax();
 }
+
+/* ---- per-thread scratch --------------------------------------------------------------------- */
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static bool scratch_key_ok;
+static __thread void *scratch;
+static __thread size_t scratch_len;
+
+static void scratch_key_make(void)
+{
+	scratch_key_ok = pthread_key_create(&scratch_key, free) == 0;
+}
+
+void *ro_thread_scratch(size_t bytes)
+{
+	if (bytes > scratch_len) {
+		void *p = NULL;
+
+		if (posix_memalign(&p, 64, bytes))
+			return NULL;
+		free(scratch);
+		scratch = p;
+		scratch_len = bytes;
+		(void)pthread_once(&scratch_once, scratch_key_make);
+		if (scratch_key_ok) /* else the buffer outlives its thread: a leak, not a fault */
+			(void)pthread_setspecific(scratch_key, scratch);
+	}
+	return scratch;
+}

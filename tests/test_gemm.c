@@ -257,6 +257,90 @@ Test(gemm, a_token_is_bitwise_the_same_in_any_batch)
 	ro_kernels_force_scalar(false);
 }
 
+/* The AVX-512 BF16 kernel's contract: each output element is one FMA chain in k order
+ * (acc = w[k] x[k] + acc from 0), bitwise, whether the weights are row-major (packed into
+ * panels a group at a time) or in the loader's panels (ro_panel_pack), for any rows (a
+ * partial last panel), inputs (tails past 32) and row range; the portable path reads
+ * panels too; ro_panel_index is the packing's inverse. */
+Test(gemm, panels_are_fma_chains_in_k_order)
+{
+	static const uint32_t shapes[][2] = {{16, 32},	{48, 40},   {7, 96},  {64, 1024},
+					     {257, 256}, {100, 288}, {32, 2}, {1024, 66}};
+	static const uint32_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 25};
+
+	if (!use("avx512")) {
+		cr_log_info("no AVX-512: the panel kernel does not run here");
+		cr_assert_eq(unsetenv("RO_KERNELS"), 0);
+		ro_kernels_force_scalar(false);
+		return;
+	}
+	for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+		for (size_t i = 0; i < sizeof(Ts) / sizeof(Ts[0]); i++) {
+			const uint32_t R = shapes[s][0], K = shapes[s][1], T = Ts[i];
+			const uint32_t r0 = R > 20 ? 3 : 0, r1 = R > 20 ? R - 2 : R;
+			struct mat m;
+			uint16_t *pw = NULL;
+
+			mat_new(&m, R, K, T);
+			run_range(&m, r0, r1); /* right, nothing outside written */
+			for (uint32_t t = 0; t < T; t++)
+				for (uint32_t r = r0; r < r1; r++) {
+					float acc = 0;
+
+					for (uint32_t k = 0; k < K; k++)
+						acc = fmaf(bf16_f(m.w[(size_t)r * K + k]), m.x[t][k],
+							   acc);
+					cr_assert(!memcmp(&acc, &m.y[t][r], sizeof(acc)),
+						  "%ux%u T=%u: token %u row %u: %.9g, the chain %.9g",
+						  R, K, T, t, r, m.y[t][r], acc);
+				}
+			if (R % 16 == 0) {
+				struct ro_mat P = m.W;
+				float **y0 = malloc(T * sizeof(*y0));
+
+				pw = malloc((size_t)R * K * 2);
+				ro_panel_pack(m.w, R, K, pw);
+				for (uint32_t j = 0; j < 64; j++) {
+					const uint64_t e = rnd() % ((uint64_t)R * K);
+
+					cr_assert_eq(pw[e], m.w[ro_panel_index(e, K)]);
+				}
+				for (uint32_t t = 0; t < T; t++) {
+					y0[t] = m.y[t];
+					m.y[t] = malloc(R * sizeof(float));
+					for (uint32_t r = 0; r < R; r++)
+						m.y[t][r] = NAN;
+				}
+				P.w = pw;
+				P.panel = true;
+				ro_gemm_ptrs(&P, (const float *const *)m.x, T, m.y, r0, r1);
+				for (uint32_t t = 0; t < T; t++) {
+					cr_assert_eq(memcmp(m.y[t] + r0, y0[t] + r0,
+							    (r1 - r0) * sizeof(float)),
+						     0, "%ux%u T=%u: token %u: panels differ", R, K,
+						     T, t);
+					for (uint32_t r = 0; r < R; r++)
+						cr_assert(r >= r0 && r < r1 ? 1 : isnan(m.y[t][r]),
+							  "%ux%u T=%u: row %u written", R, K, T, r);
+				}
+				/* forced portable: the same panels read element by element */
+				ro_kernels_force_scalar(true);
+				ro_gemm_ptrs(&P, (const float *const *)m.x, T, m.y, 0, R);
+				ro_kernels_force_scalar(false);
+				check_exact(&m, 0, R, "panels, portable");
+				for (uint32_t t = 0; t < T; t++) {
+					free(m.y[t]);
+					m.y[t] = y0[t];
+				}
+				free(y0);
+				free(pw);
+			}
+			mat_free(&m);
+		}
+	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
+	ro_kernels_force_scalar(false);
+}
+
 /* The kernels this CPU runs, for the log: a machine with AMX must run it. */
 Test(gemm, amx_runs_where_the_cpu_has_it)
 {

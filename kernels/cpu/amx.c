@@ -57,7 +57,7 @@ bool ro_amx_available(void)
 
 bool ro_amx_fits(const struct ro_mat *W)
 {
-	return W->dtype == RO_BF16 && W->cols % 32 == 0 && W->rows >= 16;
+	return W->dtype == RO_BF16 && !W->panel && W->cols % 32 == 0 && W->rows >= 16;
 }
 
 #define AMX                                                                                      \
@@ -103,35 +103,6 @@ static AMX void config(uint32_t N)
 	tiles_n = N;
 }
 
-/* This thread's packed activations, kept between calls (freed at thread exit) */
-static pthread_key_t buf_key;
-static pthread_once_t buf_once = PTHREAD_ONCE_INIT;
-static __thread uint32_t *buf;
-static __thread size_t buf_len; /* in uint32 */
-
-static bool buf_key_ok;
-
-static void buf_key_make(void)
-{
-	buf_key_ok = pthread_key_create(&buf_key, free) == 0;
-}
-
-static uint32_t *buf_get(size_t n)
-{
-	if (n > buf_len) {
-		void *p = NULL;
-
-		if (posix_memalign(&p, 64, n * sizeof(uint32_t)))
-			return NULL;
-		free(buf);
-		buf = p;
-		buf_len = n;
-		(void)pthread_once(&buf_once, buf_key_make);
-		if (buf_key_ok) /* else the buffer outlives its thread: a leak, not a fault */
-			(void)pthread_setspecific(buf_key, buf);
-	}
-	return buf;
-}
 
 /* 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i] */
 INLINE AMX void tr16(__m512i r[16])
@@ -388,10 +359,10 @@ static AMX int gemm_amx(const struct ro_mat *const *Ws, float *const *const *ys,
 	 * want of memory unless even K x 64 bytes are refused */
 	uint32_t tok = T < AMX_TOK ? (T + 15) & ~15u : AMX_TOK;
 
-	p = buf_get((size_t)(tok / 16) * (K / 32) * 512);
+	p = ro_thread_scratch((size_t)(tok / 16) * (K / 32) * 512 * sizeof(uint32_t));
 	if (!p && tok > 16) {
 		tok = 16;
-		p = buf_get((K / 32) * 512);
+		p = ro_thread_scratch((K / 32) * 512 * sizeof(uint32_t));
 	}
 	if (!p)
 		return -1;
