@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "kernels/internal.h"
+#include "kernels/model_internal.h"
 
 static uint32_t rnd_state = 12345;
 
@@ -337,6 +338,49 @@ Test(gemm, panels_are_fma_chains_in_k_order)
 			}
 			mat_free(&m);
 		}
+	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
+	ro_kernels_force_scalar(false);
+}
+
+/* The elementwise steps beside the matrices: RMSNorm's sum of squares is the same bits in
+ * its AVX-512 lanes as in the portable loop (an exact square, one rounding either way);
+ * SwiGLU's result for an element does not depend on where in a call it falls (a masked
+ * tail, not a scalar one). */
+Test(gemm, norm_and_swiglu_bits)
+{
+	static const uint32_t ns[] = {64, 70, 1024, 5};
+	float x[1024], w[1024], a[1024], b[1024], g[1024], u[1024], one[1024];
+
+	for (uint32_t i = 0; i < 1024; i++) {
+		x[i] = frnd() * (i % 7 == 3 ? 1e4f : 1.0f);
+		w[i] = frnd();
+		g[i] = frnd() * 20;
+		u[i] = frnd();
+	}
+	for (size_t c = 0; c < sizeof(ns) / sizeof(ns[0]); c++) {
+		const bool vec = use("avx512") || use("none");
+
+		ro_rmsnorm(x, w, ns[c], 1e-6, a);
+		(void)use("scalar");
+		ro_rmsnorm(x, w, ns[c], 1e-6, b);
+		cr_assert_eq(memcmp(a, b, ns[c] * sizeof(float)), 0, "rmsnorm of %u (vector: %d)",
+			     ns[c], vec);
+	}
+	for (size_t c = 0; c < 4; c++) {
+		if (!use(caps[c]))
+			continue;
+		memcpy(a, g, sizeof(g));
+		ro_swiglu(a, u, 1000);
+		for (uint32_t i = 0; i < 1000; i++) {
+			one[i] = g[i];
+			ro_swiglu(one + i, u + i, 1);
+			cr_assert_eq(memcmp(&one[i], &a[i], sizeof(float)), 0,
+				     "%s: swiglu element %u alone differs", ro_kernels_name(), i);
+			cr_assert(fabsf(a[i] - g[i] / (1 + expf(-g[i])) * u[i]) <=
+				      1e-6f * (fabsf(g[i] * u[i]) + 1e-30f),
+				  "%s: swiglu element %u: %g", ro_kernels_name(), i, a[i]);
+		}
+	}
 	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
 	ro_kernels_force_scalar(false);
 }
