@@ -117,8 +117,8 @@ struct ro_mat {
 	/* the tensors w and scale are, in place in their mapping; NULL once copied or owned
 	 * (the loader's huge pages) */
 	const struct ro_tensor *src, *src_scale;
-	/* BF16 in 16-row panels (ro_panel_pack) rather than row-major; set by the loader's
-	 * copy when ro_panel_wanted */
+	/* in 16-row panels (ro_panel_pack) rather than row-major; set by the loader's copy
+	 * when ro_panel_wanted */
 	bool panel;
 };
 
@@ -144,16 +144,17 @@ bool ro_kernels_amx(void);
 bool ro_amx_available(void);
 /* W runs on AMX when it is in use: bf16, inputs a multiple of 32, at least 16 rows. */
 bool ro_amx_fits(const struct ro_mat *W);
-/* The AVX-512 kernels run W faster in panels: 16 rows at a time, each 32-bit word two
- * consecutive inputs of one row, word (p, k/2, i) = W[16p + i][k] | W[16p + i][k + 1] << 16,
- * so one 64-byte load is 16 rows x 2 inputs, widened by a shift and a mask and summed
- * with broadcast inputs, no horizontal sums. Wanted for a row-major BF16 matrix of rows a
- * multiple of 16 and even cols when the AVX-512 kernels (not AMX) are in use. */
+/* The AVX-512 kernels run W faster in panels: 16 rows at a time, each 32-bit word the
+ * next 4 bytes of one row (two BF16 or four F8E4M3 inputs), word (p, q, i) = bytes
+ * [4q, 4q + 4) of row 16p + i, so one 64-byte load is 16 rows x 2 or 4 inputs, widened in
+ * registers and summed with broadcast inputs, no horizontal sums. Wanted for a row-major
+ * BF16 (FP8) matrix of rows a multiple of 16 and cols of 2 (4) when the AVX-512 kernels
+ * (not AMX) are in use. */
 bool ro_panel_wanted(const struct ro_mat *W);
-/* src (row-major rows x cols bf16) into dst in panels (rows * cols elements). */
-void ro_panel_pack(const uint16_t *src, uint32_t rows, uint32_t cols, uint16_t *dst);
-/* The row-major index of element i of a panelled rows x cols matrix. */
-uint64_t ro_panel_index(uint64_t i, uint32_t cols);
+/* src (row-major rows x cols elements of es bytes) into dst in panels. */
+void ro_panel_pack(const void *src, uint32_t rows, uint32_t cols, size_t es, void *dst);
+/* The row-major index of element i of a panelled rows x cols matrix of es-byte elements. */
+uint64_t ro_panel_index(uint64_t i, uint32_t cols, size_t es);
 /* ro_gemm_ptrs on AMX; -1 (nothing written) when its packing buffer cannot be had. */
 int ro_gemm_amx(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
 		uint32_t r0, uint32_t r1);

@@ -726,7 +726,9 @@ static int check_finite(struct ro_model *m, const void *const *copy, const uint3
 			/* the element as the file numbers it (a panelled copy is reordered; its
 			 * first bad element in the copy's order is named) */
 			const uint64_t at =
-			    sc.pcols[i] ? ro_panel_index(sc.bad[i] - 1, sc.pcols[i]) : sc.bad[i] - 1;
+			    sc.pcols[i] ? ro_panel_index(sc.bad[i] - 1, sc.pcols[i],
+						       ro_dtype_size(t->dtype))
+					: sc.bad[i] - 1;
 			float v = t->dtype == RO_F32	  ? 0
 				  : t->dtype == RO_F8E4M3 ? NAN
 							  : ro_elem(t, at);
@@ -855,13 +857,13 @@ static void pin_copy(void *arg, uint32_t i)
 	struct pin_job *j = arg;
 	struct ro_mat *w = j->mat[i];
 	uint8_t *d = j->base + j->off[i];
-	uint16_t *tmp;
+	uint8_t *tmp;
 
 	/* in panels where the kernels run them faster (ro_panel_wanted): read, then packed;
 	 * without the memory for the read, as the file has it */
 	if (ro_panel_wanted(w) && (tmp = malloc(w->src->bytes))) {
-		pin_one(j->st, w->src, (uint8_t *)tmp);
-		ro_panel_pack(tmp, w->rows, w->cols, (uint16_t *)d);
+		pin_one(j->st, w->src, tmp);
+		ro_panel_pack(tmp, w->rows, w->cols, ro_dtype_size(w->dtype), d);
 		free(tmp);
 		w->panel = true;
 	} else {

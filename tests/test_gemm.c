@@ -300,11 +300,11 @@ Test(gemm, panels_are_fma_chains_in_k_order)
 				float **y0 = malloc(T * sizeof(*y0));
 
 				pw = malloc((size_t)R * K * 2);
-				ro_panel_pack(m.w, R, K, pw);
+				ro_panel_pack(m.w, R, K, 2, pw);
 				for (uint32_t j = 0; j < 64; j++) {
 					const uint64_t e = rnd() % ((uint64_t)R * K);
 
-					cr_assert_eq(pw[e], m.w[ro_panel_index(e, K)]);
+					cr_assert_eq(pw[e], m.w[ro_panel_index(e, K, 2)]);
 				}
 				for (uint32_t t = 0; t < T; t++) {
 					y0[t] = m.y[t];
@@ -338,6 +338,103 @@ Test(gemm, panels_are_fma_chains_in_k_order)
 			}
 			mat_free(&m);
 		}
+	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
+	ro_kernels_force_scalar(false);
+}
+
+/* The same for FP8 (e4m3fn with a scale per 128 x 128 block): each element one FMA chain
+ * in k order over w = f32(byte) x scale (one rounding), row-major or in panels, with
+ * shapes that cross 128-row and 128-input blocks and inputs that leave a tail of words. */
+Test(gemm, fp8_panels_are_fma_chains_in_k_order)
+{
+	static const uint32_t shapes[][2] = {{16, 32},	{48, 40},  {7, 96},   {64, 1024},
+					     {257, 256}, {144, 132}, {32, 4}, {272, 384}};
+	static const uint32_t Ts[] = {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33};
+
+	if (!use("avx512")) {
+		cr_log_info("no AVX-512: the panel kernel does not run here");
+		cr_assert_eq(unsetenv("RO_KERNELS"), 0);
+		ro_kernels_force_scalar(false);
+		return;
+	}
+	for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+		const uint32_t R = shapes[s][0], K = shapes[s][1], SR = (R + 127) / 128,
+			       SC = (K + 127) / 128;
+		uint8_t *w = malloc((size_t)R * K), *pw = malloc((size_t)R * K);
+		float *scale = malloc((size_t)SR * SC * sizeof(float));
+
+		for (size_t i = 0; i < (size_t)R * K; i++) {
+			w[i] = (uint8_t)(rnd() & 0xff);
+			if ((w[i] & 0x7f) == 0x7f) /* NaN in e4m3fn: not a weight */
+				w[i] ^= 1;
+		}
+		for (uint32_t i = 0; i < SR * SC; i++)
+			scale[i] = 1e-3f * (float)(1 + rnd() % 1000);
+		for (size_t i = 0; i < sizeof(Ts) / sizeof(Ts[0]); i++) {
+			const uint32_t T = Ts[i], r0 = R > 20 ? 3 : 0, r1 = R > 20 ? R - 2 : R;
+			struct ro_mat W = {.w = w, .dtype = RO_F8E4M3, .rows = R, .cols = K,
+					   .scale = scale, .scale_cols = SC};
+			float **x = malloc(T * sizeof(*x)), **y = malloc(T * sizeof(*y)),
+			      **y2 = malloc(T * sizeof(*y2));
+
+			for (uint32_t t = 0; t < T; t++) {
+				x[t] = malloc(K * sizeof(float));
+				y[t] = malloc(R * sizeof(float));
+				y2[t] = malloc(R * sizeof(float));
+				for (uint32_t k = 0; k < K; k++)
+					x[t][k] = frnd();
+				for (uint32_t r = 0; r < R; r++)
+					y[t][r] = y2[t][r] = NAN;
+			}
+			ro_gemm_ptrs(&W, (const float *const *)x, T, y, r0, r1);
+			for (uint32_t t = 0; t < T; t++)
+				for (uint32_t r = 0; r < R; r++) {
+					float acc = 0;
+
+					if (r < r0 || r >= r1) {
+						cr_assert(isnan(y[t][r]), "%ux%u: row %u written", R,
+							  K, r);
+						continue;
+					}
+					for (uint32_t k = 0; k < K; k++)
+						acc = fmaf(ro_f8e4m3_to_f32(w[(size_t)r * K + k]) *
+							       scale[(r / 128) * SC + k / 128],
+							   x[t][k], acc);
+					cr_assert(!memcmp(&acc, &y[t][r], sizeof(acc)),
+						  "fp8 %ux%u T=%u: token %u row %u: %.9g, the chain %.9g",
+						  R, K, T, t, r, y[t][r], acc);
+				}
+			if (R % 16 == 0) {
+				struct ro_mat P = W;
+
+				ro_panel_pack(w, R, K, 1, pw);
+				for (uint32_t j = 0; j < 64; j++) {
+					const uint64_t e = rnd() % ((uint64_t)R * K);
+
+					cr_assert_eq(pw[e], w[ro_panel_index(e, K, 1)]);
+				}
+				P.w = pw;
+				P.panel = true;
+				ro_gemm_ptrs(&P, (const float *const *)x, T, y2, r0, r1);
+				for (uint32_t t = 0; t < T; t++)
+					cr_assert_eq(memcmp(y2[t] + r0, y[t] + r0,
+							    (r1 - r0) * sizeof(float)),
+						     0, "fp8 %ux%u T=%u: token %u: panels differ", R,
+						     K, T, t);
+			}
+			for (uint32_t t = 0; t < T; t++) {
+				free(x[t]);
+				free(y[t]);
+				free(y2[t]);
+			}
+			free(x);
+			free(y);
+			free(y2);
+		}
+		free(w);
+		free(pw);
+		free(scale);
+	}
 	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
 	ro_kernels_force_scalar(false);
 }

@@ -110,7 +110,10 @@ const char *ro_kernels_name(void)
  * rounding, as tests/ref/ref_moe.py dequantizes) */
 static inline float w_at(const struct ro_mat *W, size_t r, size_t k)
 {
-	const size_t i = W->panel ? (r / 16) * 16 * W->cols + (k / 2) * 32 + (r % 16) * 2 + k % 2
+	/* in panels: 16 rows of `per` inputs a 32-bit word (ro_panel_pack) */
+	const size_t per = W->dtype == RO_F8E4M3 ? 4 : 2,
+		     i = W->panel ? (r / 16) * 16 * W->cols + (k / per) * 16 * per + (r % 16) * per +
+				       k % per
 				  : r * W->cols + k;
 
 	if (W->dtype == RO_F8E4M3)
@@ -527,55 +530,113 @@ static AVX512 void gemm_avx512(const struct ro_mat *W, const float *const *x, ui
 
 #define PANEL_G 12 /* panels per group: 192 rows, 384 KiB of 1,024 inputs, stay in L2 */
 
+/* Sixteen FP8 weights (e4m3fn, each byte at the top of its lane: bits 31..24; bits below
+ * are ignored) as f32 times their block's scale: w16's decoding, one rounding as w_at. */
+INLINE AVX512 __m512 f8x16(__m512i t, __m512 sc)
+{
+	const __m512 mag =
+	    _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_srli_epi32(t, 4),
+							      _mm512_set1_epi32(0x07f00000))),
+			  _mm512_set1_ps(0x1p120f));
+
+	return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+				 _mm512_castps_si512(mag), t,
+				 _mm512_set1_epi32((int)0x80000000u), 0xf8)),
+			     sc);
+}
+
 /* R panels (the first at wp, its first row a) x TT tokens (from t), all K inputs; rows
  * outside [r0, r1) are computed and not stored. */
-INLINE AVX512 void pblock(const uint16_t *wp, uint32_t K, uint32_t a, const float *const *x,
-			  uint32_t t, float *const *y, uint32_t r0, uint32_t r1, const int R,
-			  const int TT)
+INLINE AVX512 void pblock(const struct ro_mat *W, const uint8_t *wp, uint32_t a,
+			  const float *const *x, uint32_t t, float *const *y, uint32_t r0,
+			  uint32_t r1, const int R, const int TT, const enum ro_dtype dt)
 {
+	const uint32_t K = W->cols;
+	const size_t ps = (size_t)16 * K * (dt == RO_F8E4M3 ? 1 : 2);
 	const __m512i *wr[8];
-	const float *xr[12];
-	__m512 acc[8][12];
+	const float *xr[16], *srow[8];
+	__m512 acc[8][16], sc[8];
 	const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
 
 #pragma GCC unroll 8
 	for (int i = 0; i < R; i++) {
-		wr[i] = (const __m512i *)(wp + (size_t)i * 16 * K);
-#pragma GCC unroll 12
+		wr[i] = (const __m512i *)(wp + (size_t)i * ps);
+		srow[i] = dt == RO_F8E4M3
+			      ? W->scale + ((a + 16 * i) / RO_FP8_BLOCK) * W->scale_cols
+			      : NULL;
+		sc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 16
 		for (int j = 0; j < TT; j++)
 			acc[i][j] = _mm512_setzero_ps();
 	}
-#pragma GCC unroll 12
+#pragma GCC unroll 16
 	for (int j = 0; j < TT; j++)
 		xr[j] = x[t + j];
-	for (uint32_t k = 0; k < K; k += 2) {
-		__m512 we[8], wo[8];
+	if (dt == RO_F8E4M3) {
+		/* four inputs a word: byte b moved to the top by a shift (none for b = 3) */
+		for (uint32_t k = 0; k < K; k += 4) {
+			__m512i d[8];
+
+			if (!(k % RO_FP8_BLOCK)) {
+#pragma GCC unroll 8
+				for (int i = 0; i < R; i++)
+					sc[i] = _mm512_set1_ps(srow[i][k / RO_FP8_BLOCK]);
+			}
+#pragma GCC unroll 8
+			for (int i = 0; i < R; i++) {
+				d[i] = _mm512_loadu_si512(wr[i] + k / 4);
+				_mm_prefetch((const char *)(wr[i] + k / 4) + 1024, _MM_HINT_T0);
+			}
+#pragma GCC unroll 4
+			for (int bb = 0; bb < 4; bb++) {
+				__m512 wv[8];
 
 #pragma GCC unroll 8
-		for (int i = 0; i < R; i++) {
-			const __m512i d = _mm512_loadu_si512(wr[i] + k / 2);
+				for (int i = 0; i < R; i++)
+					wv[i] = f8x16(bb == 3 ? d[i]
+							      : _mm512_slli_epi32(d[i], 8 * (3 - bb)),
+						      sc[i]);
+#pragma GCC unroll 16
+				for (int j = 0; j < TT; j++) {
+					const __m512 xb = _mm512_set1_ps(xr[j][k + bb]);
 
-			/* each panel is one stream: a line per step, 1 KiB ahead (measured from
-			 * DRAM on one core: 2-4 KiB lose a fifth at 1 and 4 tokens) */
-			_mm_prefetch((const char *)(wr[i] + k / 2) + 1024, _MM_HINT_T0);
-			we[i] = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
-			wo[i] = _mm512_castsi512_ps(_mm512_and_si512(d, hi));
+#pragma GCC unroll 8
+					for (int i = 0; i < R; i++)
+						acc[i][j] = _mm512_fmadd_ps(wv[i], xb, acc[i][j]);
+				}
+			}
 		}
-#pragma GCC unroll 12
-		for (int j = 0; j < TT; j++) {
-			const __m512 xb = _mm512_set1_ps(xr[j][k]);
+	} else {
+		for (uint32_t k = 0; k < K; k += 2) {
+			__m512 we[8], wo[8];
 
 #pragma GCC unroll 8
-			for (int i = 0; i < R; i++)
-				acc[i][j] = _mm512_fmadd_ps(we[i], xb, acc[i][j]);
-		}
-#pragma GCC unroll 12
-		for (int j = 0; j < TT; j++) {
-			const __m512 xb = _mm512_set1_ps(xr[j][k + 1]);
+			for (int i = 0; i < R; i++) {
+				const __m512i d = _mm512_loadu_si512(wr[i] + k / 2);
+
+				/* each panel is one stream: a line per step, 1 KiB ahead
+				 * (measured from DRAM on one core: 2-4 KiB lose a fifth at 1 and
+				 * 4 tokens) */
+				_mm_prefetch((const char *)(wr[i] + k / 2) + 1024, _MM_HINT_T0);
+				we[i] = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
+				wo[i] = _mm512_castsi512_ps(_mm512_and_si512(d, hi));
+			}
+#pragma GCC unroll 16
+			for (int j = 0; j < TT; j++) {
+				const __m512 xb = _mm512_set1_ps(xr[j][k]);
 
 #pragma GCC unroll 8
-			for (int i = 0; i < R; i++)
-				acc[i][j] = _mm512_fmadd_ps(wo[i], xb, acc[i][j]);
+				for (int i = 0; i < R; i++)
+					acc[i][j] = _mm512_fmadd_ps(we[i], xb, acc[i][j]);
+			}
+#pragma GCC unroll 16
+			for (int j = 0; j < TT; j++) {
+				const __m512 xb = _mm512_set1_ps(xr[j][k + 1]);
+
+#pragma GCC unroll 8
+				for (int i = 0; i < R; i++)
+					acc[i][j] = _mm512_fmadd_ps(wo[i], xb, acc[i][j]);
+			}
 		}
 	}
 #pragma GCC unroll 8
@@ -584,7 +645,7 @@ INLINE AVX512 void pblock(const uint16_t *wp, uint32_t K, uint32_t a, const floa
 			       end = r1 < b + 16 ? r1 - b : 16;
 		const __mmask16 mk = (__mmask16)((0xffffu >> (16 - end + lo)) << lo);
 
-#pragma GCC unroll 12
+#pragma GCC unroll 16
 		for (int j = 0; j < TT; j++)
 			_mm512_mask_storeu_ps(y[t + j] + b, mk, acc[i][j]);
 	}
@@ -592,33 +653,111 @@ INLINE AVX512 void pblock(const uint16_t *wp, uint32_t K, uint32_t a, const floa
 
 /* n panels at wp (the first's first row a) for tokens [t, t + TT): R at a time, then
  * fewer. */
-INLINE AVX512 void panels512(const uint16_t *wp, uint32_t K, uint32_t a, uint32_t n,
+INLINE AVX512 void panels512(const struct ro_mat *W, const uint8_t *wp, uint32_t a, uint32_t n,
 			     const float *const *x, uint32_t t, float *const *y, uint32_t r0,
-			     uint32_t r1, const int R, const int TT)
+			     uint32_t r1, const int R, const int TT, const enum ro_dtype dt)
 {
+	const size_t ps = (size_t)16 * W->cols * (dt == RO_F8E4M3 ? 1 : 2);
 	uint32_t p = 0;
 
 	for (; p + R <= n; p += R)
-		pblock(wp + (size_t)p * 16 * K, K, a + p * 16, x, t, y, r0, r1, R, TT);
+		pblock(W, wp + p * ps, a + p * 16, x, t, y, r0, r1, R, TT, dt);
 	for (; p + 2 <= n; p += 2)
-		pblock(wp + (size_t)p * 16 * K, K, a + p * 16, x, t, y, r0, r1, 2, TT);
+		pblock(W, wp + p * ps, a + p * 16, x, t, y, r0, r1, 2, TT, dt);
 	for (; p < n; p++)
-		pblock(wp + (size_t)p * 16 * K, K, a + p * 16, x, t, y, r0, r1, 1, TT);
+		pblock(W, wp + p * ps, a + p * 16, x, t, y, r0, r1, 1, TT, dt);
 }
 
-/* Row-major panel p of W into dst in panels (rows past the matrix as zeros): 16 rows x 16
- * words (32 inputs) transposed in registers at a time, the odd tail by the element. */
-static AVX512 void pack_panel(const struct ro_mat *W, uint32_t p, uint16_t *dst)
+/* Tokens [0, T) over n panels: the block shapes. BF16: 2 x 12 for the bulk (24
+ * accumulators, each load feeds 24 FMAs). FP8 decodes 6 operations per 16 weights, so
+ * fewer panels and more tokens: 1 x 16 (decoded once for 16 tokens, and the constants fit
+ * in the registers beside 16 accumulators), then 2 x 8. */
+INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t a, uint32_t n,
+			     const float *const *x, uint32_t T, float *const *y, uint32_t r0,
+			     uint32_t r1, const enum ro_dtype dt)
 {
-	const uint32_t K = W->cols, a = p * 16, n = W->rows - a < 16 ? W->rows - a : 16;
-	const uint16_t *src = (const uint16_t *)W->w + (size_t)a * K;
-	uint32_t k = 0;
+	uint32_t t = 0;
 
-	for (; k + 32 <= K; k += 32) {
+	if (dt == RO_F8E4M3) {
+		for (; t + 16 <= T; t += 16)
+			panels512(W, wp, a, n, x, t, y, r0, r1, 1, 16, dt);
+		if (T - t >= 8) {
+			panels512(W, wp, a, n, x, t, y, r0, r1, 2, 8, dt);
+			t += 8;
+		}
+		switch (T - t) {
+		case 7:
+			panels512(W, wp, a, n, x, t, y, r0, r1, 2, 7, dt);
+			break;
+		case 6:
+			panels512(W, wp, a, n, x, t, y, r0, r1, 2, 6, dt);
+			break;
+		case 5:
+			panels512(W, wp, a, n, x, t, y, r0, r1, 3, 5, dt);
+			break;
+		case 4:
+			panels512(W, wp, a, n, x, t, y, r0, r1, 3, 4, dt);
+			break;
+		case 3:
+			panels512(W, wp, a, n, x, t, y, r0, r1, 4, 3, dt);
+			break;
+		case 2:
+			panels512(W, wp, a, n, x, t, y, r0, r1, 4, 2, dt);
+			break;
+		case 1:
+			panels512(W, wp, a, n, x, t, y, r0, r1, 4, 1, dt);
+			break;
+		}
+		return;
+	}
+	for (; t + 12 <= T; t += 12)
+		panels512(W, wp, a, n, x, t, y, r0, r1, 2, 12, dt);
+	if (T - t >= 8) {
+		panels512(W, wp, a, n, x, t, y, r0, r1, 3, 8, dt);
+		t += 8;
+	}
+	switch (T - t) {
+	case 7:
+		panels512(W, wp, a, n, x, t, y, r0, r1, 3, 7, dt);
+		break;
+	case 6:
+		panels512(W, wp, a, n, x, t, y, r0, r1, 3, 6, dt);
+		break;
+	case 5:
+		panels512(W, wp, a, n, x, t, y, r0, r1, 4, 5, dt);
+		break;
+	case 4:
+		panels512(W, wp, a, n, x, t, y, r0, r1, 4, 4, dt);
+		break;
+	case 3:
+		panels512(W, wp, a, n, x, t, y, r0, r1, 4, 3, dt);
+		break;
+	case 2:
+		panels512(W, wp, a, n, x, t, y, r0, r1, 6, 2, dt);
+		break;
+	case 1:
+		/* decode: 8 streams, 8 independent chains (the FMA's latency x 2) */
+		panels512(W, wp, a, n, x, t, y, r0, r1, 8, 1, dt);
+		break;
+	}
+}
+
+/* Row-major panel p of W (es-byte elements) into dst in panels (rows past the matrix as
+ * zeros): 16 rows x 16 words (64 bytes) transposed in registers at a time, the tail by the
+ * word (rows are a whole number of words). */
+static AVX512 void pack_panel(const struct ro_mat *W, uint32_t p, size_t es, uint8_t *dst)
+{
+	const size_t RB = W->cols * es;
+	const uint32_t a = p * 16, n = W->rows - a < 16 ? W->rows - a : 16;
+	const uint8_t *src = (const uint8_t *)W->w + a * RB;
+	size_t b = 0;
+
+	for (; b + 64 <= RB; b += 64) {
 		__m512i r[16], t[16], u[16];
+		__m512i *o = (__m512i *)(dst + b * 16);
 
 		for (int i = 0; i < 16; i++)
-			r[i] = (uint32_t)i < n ? _mm512_loadu_si512(src + (size_t)i * K + k)
+			r[i] = (uint32_t)i < n ? _mm512_loadu_si512(src + i * RB + b)
 					       : _mm512_setzero_si512();
 		for (int i = 0; i < 16; i += 2) {
 			t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -636,7 +775,6 @@ static AVX512 void pack_panel(const struct ro_mat *W, uint32_t p, uint16_t *dst)
 				      w = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xdd),
 				      v2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88),
 				      w2 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xdd);
-			__m512i *o = (__m512i *)(dst + (size_t)(k / 2) * 32);
 
 			_mm512_storeu_si512(o + m, _mm512_shuffle_i32x4(v, v2, 0x88));
 			_mm512_storeu_si512(o + 4 + m, _mm512_shuffle_i32x4(w, w2, 0x88));
@@ -644,10 +782,12 @@ static AVX512 void pack_panel(const struct ro_mat *W, uint32_t p, uint16_t *dst)
 			_mm512_storeu_si512(o + 12 + m, _mm512_shuffle_i32x4(w, w2, 0xdd));
 		}
 	}
-	for (; k < K; k += 2)
+	for (; b < RB; b += 4)
 		for (uint32_t i = 0; i < 16; i++) {
-			dst[(size_t)k * 16 + 2 * i] = i < n ? src[(size_t)i * K + k] : 0;
-			dst[(size_t)k * 16 + 2 * i + 1] = i < n ? src[(size_t)i * K + k + 1] : 0;
+			if (i < n)
+				memcpy(dst + b * 16 + i * 4, src + i * RB + b, 4);
+			else
+				memset(dst + b * 16 + i * 4, 0, 4);
 		}
 }
 
@@ -656,14 +796,12 @@ static AVX512 void pack_panel(const struct ro_mat *W, uint32_t p, uint16_t *dst)
 static AVX512 void gemm_panel_elem(const struct ro_mat *W, const float *const *x, uint32_t T,
 				   float *const *y, uint32_t r0, uint32_t r1)
 {
-	const uint16_t *w = W->w;
-
 	for (uint32_t r = r0; r < r1; r++)
 		for (uint32_t t = 0; t < T; t++) {
 			float acc = 0;
 
 			for (uint32_t k = 0; k < W->cols; k++)
-				acc = fmaf(ro_bf16_to_f32(w[(size_t)r * W->cols + k]), x[t][k], acc);
+				acc = fmaf(w_at(W, r, k), x[t][k], acc);
 			y[t][r] = acc;
 		}
 }
@@ -671,97 +809,75 @@ static AVX512 void gemm_panel_elem(const struct ro_mat *W, const float *const *x
 static AVX512 void gemm_panel512(const struct ro_mat *W, const float *const *x, uint32_t T,
 				 float *const *y, uint32_t r0, uint32_t r1)
 {
-	const uint32_t K = W->cols, p0 = r0 / 16, p1 = (r1 + 15) / 16;
+	const bool f8 = W->dtype == RO_F8E4M3;
+	const size_t ps = (size_t)16 * W->cols * (f8 ? 1 : 2);
+	const uint32_t p0 = r0 / 16, p1 = (r1 + 15) / 16;
 	uint32_t G = PANEL_G;
-	uint16_t *buf = NULL;
+	uint8_t *buf = NULL;
 
 	if (!W->panel) {
 		if (p1 - p0 < G)
 			G = p1 - p0;
-		buf = ro_thread_scratch((size_t)G * 16 * K * sizeof(uint16_t));
-		if (!buf && !(buf = ro_thread_scratch((size_t)(G = 1) * 16 * K * sizeof(uint16_t)))) {
+		buf = ro_thread_scratch(G * ps);
+		if (!buf && !(buf = ro_thread_scratch((G = 1) * ps))) {
 			gemm_panel_elem(W, x, T, y, r0, r1);
 			return;
 		}
 	}
 	for (uint32_t pb = p0; pb < p1; pb += G) {
-		const uint32_t n = pb + G < p1 ? G : p1 - pb, a = pb * 16;
-		const uint16_t *wp = (const uint16_t *)W->w + (size_t)pb * 16 * K;
-		uint32_t t = 0;
+		const uint32_t n = pb + G < p1 ? G : p1 - pb;
+		const uint8_t *wp = (const uint8_t *)W->w + pb * ps;
 
 		if (buf) {
 			for (uint32_t i = 0; i < n; i++)
-				pack_panel(W, pb + i, buf + (size_t)i * 16 * K);
+				pack_panel(W, pb + i, f8 ? 1 : 2, buf + i * ps);
 			wp = buf;
 		}
-		/* 2 x 12: 24 accumulators, each load feeds 12 FMAs (x2) */
-		for (; t + 12 <= T; t += 12)
-			panels512(wp, K, a, n, x, t, y, r0, r1, 2, 12);
-		if (T - t >= 8) {
-			panels512(wp, K, a, n, x, t, y, r0, r1, 3, 8);
-			t += 8;
-		}
-		switch (T - t) {
-		case 7:
-			panels512(wp, K, a, n, x, t, y, r0, r1, 3, 7);
-			break;
-		case 6:
-			panels512(wp, K, a, n, x, t, y, r0, r1, 3, 6);
-			break;
-		case 5:
-			panels512(wp, K, a, n, x, t, y, r0, r1, 4, 5);
-			break;
-		case 4:
-			panels512(wp, K, a, n, x, t, y, r0, r1, 4, 4);
-			break;
-		case 3:
-			panels512(wp, K, a, n, x, t, y, r0, r1, 4, 3);
-			break;
-		case 2:
-			panels512(wp, K, a, n, x, t, y, r0, r1, 6, 2);
-			break;
-		case 1:
-			/* decode: 8 streams, 8 independent chains (the FMA's latency x 2) */
-			panels512(wp, K, a, n, x, t, y, r0, r1, 8, 1);
-			break;
-		}
+		if (f8)
+			tokens512(W, wp, pb * 16, n, x, T, y, r0, r1, RO_F8E4M3);
+		else
+			tokens512(W, wp, pb * 16, n, x, T, y, r0, r1, RO_BF16);
 	}
 }
 #endif
 
-/* The panel kernel runs W: it is in panels, or BF16 with even cols under AVX-512 (not
- * AMX: that machine runs its own kernels, batch invariance needs one choice per matrix). */
+/* The panel kernel runs W: it is in panels, or BF16 (FP8) with cols a multiple of 2 (4)
+ * under AVX-512 (not AMX: that machine runs its own kernels, and batch invariance needs one
+ * choice per matrix). */
+static bool panel_cols_fit(const struct ro_mat *W)
+{
+	return (W->dtype == RO_BF16 && W->cols % 2 == 0) ||
+	       (W->dtype == RO_F8E4M3 && W->cols % 4 == 0);
+}
+
 static bool panel_runs(const struct ro_mat *W)
 {
-	return W->panel || (kern_get() == 2 && W->dtype == RO_BF16 && W->cols % 2 == 0);
+	return W->panel || (kern_get() == 2 && panel_cols_fit(W));
 }
 
 bool ro_panel_wanted(const struct ro_mat *W)
 {
-	return kern_get() == 2 && W->dtype == RO_BF16 && !W->panel && W->rows % 16 == 0 &&
-	       W->cols % 2 == 0 && W->rows && W->cols;
+	return kern_get() == 2 && !W->panel && W->rows && W->rows % 16 == 0 && W->cols &&
+	       panel_cols_fit(W);
 }
 
-void ro_panel_pack(const uint16_t *src, uint32_t rows, uint32_t cols, uint16_t *dst)
+void ro_panel_pack(const void *src, uint32_t rows, uint32_t cols, size_t es, void *dst)
 {
+	const size_t RB = cols * es;
+
 	for (uint32_t p = 0; p < rows / 16; p++)
-		for (uint32_t k = 0; k < cols; k += 2) {
-			uint16_t *d = dst + (size_t)p * 16 * cols + (size_t)k * 16;
-			const uint16_t *s = src + (size_t)p * 16 * cols + k;
-
-			for (uint32_t i = 0; i < 16; i++) {
-				d[2 * i] = s[(size_t)i * cols];
-				d[2 * i + 1] = s[(size_t)i * cols + 1];
-			}
-		}
+		for (size_t b = 0; b < RB; b += 4)
+			for (uint32_t i = 0; i < 16; i++)
+				memcpy((uint8_t *)dst + p * 16 * RB + b * 16 + i * 4,
+				       (const uint8_t *)src + (p * 16 + i) * RB + b, 4);
 }
 
-uint64_t ro_panel_index(uint64_t i, uint32_t cols)
+uint64_t ro_panel_index(uint64_t i, uint32_t cols, size_t es)
 {
-	const uint64_t ps = 16ull * cols, p = i / ps, in = i % ps;
-	const uint64_t kk = in / 32, w = in % 32;
+	const uint64_t per = 4 / es, ps = 16ull * cols, p = i / ps, in = i % ps;
+	const uint64_t q = in / (16 * per), rem = in % (16 * per);
 
-	return (p * 16 + w / 2) * cols + kk * 2 + w % 2;
+	return (p * 16 + rem / per) * cols + q * per + rem % per;
 }
 
 void ro_gemm_ptrs(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
