@@ -867,6 +867,16 @@ void ro_panel_pack(const void *src, uint32_t rows, uint32_t cols, size_t es, voi
 {
 	const size_t RB = cols * es;
 
+#if HAVE_X86
+	/* panels are wanted only where AVX-512 runs: the kernels' own transposer */
+	if (cpu_has_avx512()) {
+		const struct ro_mat W = {.w = src, .rows = rows, .cols = cols};
+
+		for (uint32_t p = 0; p < rows / 16; p++)
+			pack_panel(&W, p, es, (uint8_t *)dst + p * 16 * RB);
+		return;
+	}
+#endif
 	for (uint32_t p = 0; p < rows / 16; p++)
 		for (size_t b = 0; b < RB; b += 4)
 			for (uint32_t i = 0; i < 16; i++)
