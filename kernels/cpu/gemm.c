@@ -667,8 +667,8 @@ INLINE AVX512 void panels512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 
 /* Tokens [0, T) over n panels: the block shapes. BF16: 2 x 12 for the bulk (24
  * accumulators, each load feeds 24 FMAs). FP8 decodes 4 operations per 16 weights and
- * keeps its block scales and constants in registers: 2 x 8 (in L2 on a Zen 5 core: 171
- * GFLOP/s, 78% of the FMA peak; 1 x 16, 2 x 10 and 2 x 12 spill and run at 63-159). */
+ * keeps its block scales and constants in registers: 2 x 8 (in L2 on a Zen 5 core: 171-180
+ * GFLOP/s, 78-83% of the FMA peak; 1 x 16, 2 x 10 and 2 x 12 spill and run at 63-159). */
 INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t a, uint32_t n,
 			     const float *const *x, uint32_t T, float *const *y, uint32_t r0,
 			     uint32_t r1, const enum ro_dtype dt)
