@@ -449,6 +449,56 @@ Test(model, fp8_is_bitwise_invariant)
 	fp8_invariance("fp8inv");
 }
 
+/* The expert layer runs whole experts as tasks when enough are active and none dominates,
+ * else (expert, panel) tasks in two passes: a row's output is the same bits either way, and
+ * the same as the row run alone. */
+static void experts_paths_agree(const char *sub)
+{
+	struct ro_model *m = load(sub, false);
+	const struct ro_model_config *c = ro_model_config(m);
+	const uint32_t H = c->hidden, E = c->experts, n = 3 * E;
+	float *x = malloc((size_t)n * H * sizeof(float)), *y = malloc((size_t)n * H * sizeof(float)),
+	      *one = malloc(H * sizeof(float));
+	const float **rows = malloc(n * sizeof(*rows));
+	int32_t *ex = malloc(n * sizeof(*ex));
+	uint32_t seed = 12345;
+
+	cr_assert(x && y && one && rows && ex);
+	for (size_t i = 0; i < (size_t)n * H; i++) {
+		seed = seed * 1664525u + 1013904223u;
+		x[i] = (float)(seed >> 8) / (float)(1u << 24) - 0.5f;
+	}
+	for (uint32_t i = 0; i < n; i++)
+		rows[i] = x + (size_t)i * H;
+	/* balanced: 3 rows an expert (whole-expert tasks); skewed: most rows on expert 1 (the
+	 * split); each against the row alone (one expert active: the split) */
+	for (int skew = 0; skew < 2; skew++) {
+		for (uint32_t i = 0; i < n; i++)
+			ex[i] = skew && i % 4 ? 1 : (int32_t)((i * 5) % E);
+		cr_assert_eq(ro_model_experts(m, 0, rows, ex, n, y), 0);
+		for (uint32_t i = 0; i < n; i++) {
+			cr_assert_eq(ro_model_experts(m, 0, rows + i, ex + i, 1, one), 0);
+			cr_expect_eq(memcmp(one, y + (size_t)i * H, H * sizeof(float)), 0,
+				     "%s: row %u (expert %d, %s batch) differs from the row alone", sub,
+				     i, ex[i], skew ? "skewed" : "balanced");
+		}
+	}
+	free(x);
+	free(y);
+	free(one);
+	free(rows);
+	free(ex);
+	ro_model_free(m);
+}
+
+Test(model, expert_task_shapes_are_bitwise_the_same)
+{
+	make("xpaths", RO_ARCH_MIXTRAL, "BF16", 1, 0);
+	experts_paths_agree("xpaths");
+	make_fp8("xpaths8", RO_ARCH_QWEN3_MOE);
+	experts_paths_agree("xpaths8");
+}
+
 /* ---- the linear weights in huge pages (ro_model_opts.hugepages) ------------------------- */
 
 static bool thp_never(void)

@@ -808,6 +808,9 @@ static AVX512 void gemm_panel512(const struct ro_mat *W, const float *const *x, 
 	uint32_t G = PANEL_G;
 	uint8_t *buf = NULL;
 
+	if (T == 1)
+		G = 16; /* one token runs 8 panels at a time (8 streams): groups of 16 */
+
 	/* f8x16's scale x 2^120 must be finite: a scale of 2^8 or more (none that a
 	 * checkpoint's amax / 448 gives) takes the same chains an element at a time */
 	if (f8)
