@@ -783,11 +783,11 @@ uint64_t ro_model_forward_bytes(const struct ro_model *m, uint32_t tokens)
 	b += jobs_bytes(fj);
 	if (moe) {
 		/* local_experts' row pointers; ro_model_experts' gate/up scratch, counts,
-		 * offsets, active experts and its four row-pointer arrays */
+		 * offsets, active experts, their sort keys and its four row-pointer arrays */
 		b += TK * sizeof(float *);
 		b += TK * (uint64_t)c->expert_ffn * 2 * sizeof(float);
-		b +=
-		    (E + 1) * sizeof(uint32_t) * 2 + E * sizeof(uint32_t) + TK * 4 * sizeof(void *);
+		b += (E + 1) * sizeof(uint32_t) * 2 + E * sizeof(uint32_t) + E * sizeof(uint64_t) +
+		     TK * 4 * sizeof(void *);
 	}
 	return b;
 }

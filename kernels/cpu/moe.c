@@ -129,7 +129,7 @@ struct moe_task {
 	const struct layer *L;
 	uint32_t F, H;
 	const uint32_t *off; /* expert e's rows are [off[e], off[e + 1]) of the grouped order */
-	const uint32_t *act; /* the experts with rows, in index order */
+	const uint32_t *act; /* the experts with rows: in index order, or most rows first */
 	uint32_t n_gu, n_d;  /* panels per expert */
 	uint32_t p_gu, p_d;  /* rows per panel */
 	const float **xp;    /* grouped row -> its input */
@@ -137,13 +137,10 @@ struct moe_task {
 	float **yp;	     /* grouped row -> its output */
 };
 
-/* gate and up of one (expert, panel), then SwiGLU on that panel: the activation is
- * elementwise, so the panel needs nothing from any other task. */
-static void gate_up_task(void *arg, uint32_t i)
+/* Gate and up rows [r0, r1) of expert e for all of its rows, then SwiGLU on them: the
+ * activation is elementwise, so the rows need nothing from any other task. */
+static void gate_up_rows(const struct moe_task *k, uint32_t e, uint32_t r0, uint32_t r1)
 {
-	const struct moe_task *k = arg;
-	const uint32_t e = k->act[i / k->n_gu], p = i % k->n_gu;
-	const uint32_t r0 = p * k->p_gu, r1 = r0 + k->p_gu < k->F ? r0 + k->p_gu : k->F;
 	const uint32_t a = k->off[e], n = k->off[e + 1] - a;
 
 	ro_gemm_ptrs2(&k->L->gate[e], &k->L->up[e], k->xp + a, n, k->gp + a, k->up + a, r0, r1);
@@ -151,14 +148,28 @@ static void gate_up_task(void *arg, uint32_t i)
 		ro_swiglu(k->gp[a + j] + r0, k->up[a + j] + r0, r1 - r0);
 }
 
-static void down_task(void *arg, uint32_t i)
+/* Down's output rows [r0, r1) of expert e, from all of the activation. */
+static void down_rows(const struct moe_task *k, uint32_t e, uint32_t r0, uint32_t r1)
 {
-	const struct moe_task *k = arg;
-	const uint32_t e = k->act[i / k->n_d], p = i % k->n_d;
-	const uint32_t r0 = p * k->p_d, r1 = r0 + k->p_d < k->H ? r0 + k->p_d : k->H;
 	const uint32_t a = k->off[e], n = k->off[e + 1] - a;
 
 	ro_gemm_ptrs(&k->L->down[e], (const float *const *)k->gp + a, n, k->yp + a, r0, r1);
+}
+
+static void gate_up_task(void *arg, uint32_t i)
+{
+	const struct moe_task *k = arg;
+	const uint32_t p = i % k->n_gu, r0 = p * k->p_gu;
+
+	gate_up_rows(k, k->act[i / k->n_gu], r0, r0 + k->p_gu < k->F ? r0 + k->p_gu : k->F);
+}
+
+static void down_task(void *arg, uint32_t i)
+{
+	const struct moe_task *k = arg;
+	const uint32_t p = i % k->n_d, r0 = p * k->p_d;
+
+	down_rows(k, k->act[i / k->n_d], r0, r0 + k->p_d < k->H ? r0 + k->p_d : k->H);
 }
 
 /* One whole expert: gate, up, SwiGLU and down for all of its rows, so no thread waits for
@@ -166,18 +177,39 @@ static void down_task(void *arg, uint32_t i)
 static void expert_task(void *arg, uint32_t i)
 {
 	const struct moe_task *k = arg;
-	const uint32_t e = k->act[i];
-	const uint32_t a = k->off[e], n = k->off[e + 1] - a;
 
-	ro_gemm_ptrs2(&k->L->gate[e], &k->L->up[e], k->xp + a, n, k->gp + a, k->up + a, 0, k->F);
-	for (uint32_t j = 0; j < n; j++)
-		ro_swiglu(k->gp[a + j], k->up[a + j], k->F);
-	ro_gemm_ptrs(&k->L->down[e], (const float *const *)k->gp + a, n, k->yp + a, 0, k->H);
+	gate_up_rows(k, k->act[i], 0, k->F);
+	down_rows(k, k->act[i], 0, k->H);
+}
+
+static int by_rows_desc(const void *a, const void *b)
+{
+	const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+	return x < y ? -1 : x > y;
+}
+
+/* act[0..n_act) reordered by rows, most first, ties by index (one sort key per expert:
+ * the complement of its rows above its index). Without memory for the keys the order
+ * stays: it changes which thread runs what, never a result. */
+static void sort_by_rows(uint32_t *act, uint32_t n_act, const uint32_t *off)
+{
+	uint64_t *key = malloc(n_act * sizeof(*key));
+
+	if (!key)
+		return;
+	for (uint32_t i = 0; i < n_act; i++)
+		key[i] = (uint64_t)(UINT32_MAX - (off[act[i] + 1] - off[act[i]])) << 32 | act[i];
+	qsort(key, n_act, sizeof(*key), by_rows_desc);
+	for (uint32_t i = 0; i < n_act; i++)
+		act[i] = (uint32_t)key[i];
+	free(key);
 }
 
 /* Run n (row, expert) pairs of layer l: y[i] = expert[experts[i]](x[i]), as a grouped GEMM.
  * The pairs are grouped by expert (pointers only: rows are read and written in place), then
- * gate/up/SwiGLU run as (expert, panel) tasks, then down the same way. A row's result does
+ * run as whole-expert tasks where enough experts share the rows evenly, else gate/up/SwiGLU
+ * as (expert, panel) tasks, then down the same way. A row's result does
  * not depend on what else is in the batch (ro_gemm_ptrs sums every output element in one
  * order whatever rows share its block), so the expert-parallel path (pairs received from
  * other ranks) equals the local one. Uses its own scratch: a transport calls it from inside
@@ -246,6 +278,16 @@ int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 	m->experts_run += n_act;
 	k.off = off;
 	k.act = act;
+	if (n_act >= 4 * P && (size_t)max_rows * 2 * P <= n) {
+		/* enough experts to share out whole, none more than half a thread's share:
+		 * one pass, no barrier between gate/up and down, and each task streams its
+		 * expert's 16-row panels 8 at a time at one token (2 threads, 8 experts at
+		 * batch 1: 17% faster than the split; 9-19% at 8 and 32 tokens). The largest
+		 * go first, so that the last tasks taken are short. */
+		sort_by_rows(act, n_act, off);
+		ro_pool_for(m->pool, n_act, expert_task, &k);
+		goto out;
+	}
 	k.p_gu = PANEL_GU;
 	k.p_d = PANEL_D;
 	if (ro_kernels_amx() && ro_amx_fits(&k.L->gate[act[0]])) {
@@ -258,24 +300,6 @@ int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 	}
 	k.n_gu = (F + k.p_gu - 1) / k.p_gu;
 	k.n_d = (H + k.p_d - 1) / k.p_d;
-	if (n_act >= 4 * P && (size_t)max_rows * 2 * P <= n) {
-		/* enough experts to share out whole, none more than half a thread's share:
-		 * one pass, no barrier between gate/up and down, and each task streams its
-		 * expert's 16-row panels 8 at a time at one token (2 threads, 8 experts at
-		 * batch 1: 17% faster than the split; 9-19% at 8 and 32 tokens). The largest
-		 * go first, so that the last tasks taken are short. */
-		for (uint32_t j = 1; j < n_act; j++)
-			for (uint32_t i = j; i > 0 && off[act[i - 1] + 1] - off[act[i - 1]] <
-							     off[act[i] + 1] - off[act[i]];
-			     i--) {
-				const uint32_t t = act[i];
-
-				act[i] = act[i - 1];
-				act[i - 1] = t;
-			}
-		ro_pool_for(m->pool, n_act, expert_task, &k);
-		goto out;
-	}
 	ro_pool_for(m->pool, n_act * k.n_gu, gate_up_task, &k);
 	ro_pool_for(m->pool, n_act * k.n_d, down_task, &k);
 out:
