@@ -867,6 +867,69 @@ Test(model, batch_is_bitwise_invariant)
 	ro_model_free(m);
 }
 
+/* A decode step of many sequences runs each one's K/V store and attention as one task,
+ * several sequences a task, each asking for the next one's cache lines: 12 sequences of
+ * different lengths (crossing a 64-position block during the steps), some of them taking
+ * 2 or 3 tokens in a step, give the same bits as each sequence run alone. */
+Test(model, many_sequence_decode_is_bitwise_invariant)
+{
+	enum { N = 12, STEPS = 8 };
+	struct ro_model *m;
+	struct ro_seq *alone[N], *batch[N];
+	float *la[N], *lb[N];
+	int32_t prompt[80], tok[N][3];
+	uint32_t V;
+
+	make("many", RO_ARCH_MIXTRAL, "BF16", 1, 0);
+	m = load("many", false);
+	V = ro_model_config(m)->vocab;
+	for (uint32_t i = 0; i < 80; i++)
+		prompt[i] = (int32_t)((i * 37 + 11) % V);
+	for (int s = 0; s < N; s++) {
+		/* 55 .. 66 tokens: the steps take most across position 64 */
+		const uint32_t plen = 55 + (uint32_t)s;
+		struct ro_fwd_item it;
+
+		la[s] = malloc(V * sizeof(float));
+		lb[s] = malloc(V * sizeof(float));
+		cr_assert_eq(ro_seq_new(m, 128, &alone[s]), 0);
+		cr_assert_eq(ro_seq_new(m, 128, &batch[s]), 0);
+		it = (struct ro_fwd_item){alone[s], prompt + s, plen, la[s], false};
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+		it = (struct ro_fwd_item){batch[s], prompt + s, plen, lb[s], false};
+		cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+		cr_assert_eq(memcmp(la[s], lb[s], V * sizeof(float)), 0);
+	}
+	for (int step = 0; step < STEPS; step++) {
+		struct ro_fwd_item items[N];
+
+		for (int s = 0; s < N; s++) {
+			/* sequence s takes 1 + (s + step) % 3 tokens at odd steps, else 1 */
+			const uint32_t n = step % 2 ? 1 + (uint32_t)(s + step) % 3 : 1;
+			struct ro_fwd_item it;
+
+			tok[s][0] = ro_sample(la[s], V, &(struct ro_sampling){0}, 0, 0, 0, NULL);
+			for (uint32_t j = 1; j < n; j++)
+				tok[s][j] = (int32_t)((tok[s][0] + 7 * j) % V);
+			it = (struct ro_fwd_item){alone[s], tok[s], n, la[s], false};
+			cr_assert_eq(ro_model_forward(m, &it, 1), 0);
+			items[s] = (struct ro_fwd_item){batch[s], tok[s], n, lb[s], false};
+		}
+		cr_assert_eq(ro_model_forward(m, items, N), 0);
+		for (int s = 0; s < N; s++)
+			cr_expect_eq(memcmp(la[s], lb[s], V * sizeof(float)), 0,
+				     "step %d: sequence %d (position %u)", step, s,
+				     ro_seq_len(batch[s]));
+	}
+	for (int s = 0; s < N; s++) {
+		ro_seq_free(alone[s]);
+		ro_seq_free(batch[s]);
+		free(la[s]);
+		free(lb[s]);
+	}
+	ro_model_free(m);
+}
+
 /* Sample n tokens after prompt + prefix, drawing positions from prefix_len on. */
 static void sample_from(struct ro_model *m, const int32_t *prompt, uint32_t plen,
 			const int32_t *prefix, uint32_t k, const struct ro_sampling *sp, uint32_t n,
