@@ -339,7 +339,7 @@ static int cfg_parse(const struct cfg *x, struct ro_model_config *c)
 		return cfg_bad(x, "num_key_value_heads", "%u does not divide num_attention_heads %u",
 			       c->kv_heads, c->heads);
 	if (q3) {
-		if ((r = cfg_u32(x, "num_experts", &c->experts, true, 1, 4096)) ||
+		if ((r = cfg_u32(x, "num_experts", &c->experts, true, 1, RO_MAX_EXPERTS)) ||
 		    (r = cfg_u32(x, "moe_intermediate_size", &c->expert_ffn, true, 1, 1u << 20)) ||
 		    (r = cfg_u32(x, "decoder_sparse_step", &c->sparse_step, false, 1, 1u << 20)) ||
 		    (r = cfg_bool(x, "norm_topk_prob", &c->norm_topk)) ||
@@ -356,7 +356,7 @@ static int cfg_parse(const struct cfg *x, struct ro_model_config *c)
 				       "(sliding_window %s)",
 				       cfg_get(x, "sliding_window") ? "set" : "absent: 4096");
 	} else {
-		if ((r = cfg_u32(x, "num_local_experts", &c->experts, true, 1, 4096)) ||
+		if ((r = cfg_u32(x, "num_local_experts", &c->experts, true, 1, RO_MAX_EXPERTS)) ||
 		    (r = cfg_u32(x, "sliding_window", &c->sliding_window, false, 1, UINT32_MAX)))
 			return r;
 		c->expert_ffn = c->dense_ffn;

@@ -56,6 +56,9 @@ struct ro_model {
  * before a forward: the forward's tasks only store). Blocks are taken as positions come. */
 #define RO_KV_BLOCK 64
 
+/* The most experts a layer may have (the loader refuses more; routing keeps a bit each). */
+#define RO_MAX_EXPERTS 4096
+
 struct ro_seq {
 	struct ro_model *m;
 	uint32_t len, max;
