@@ -267,7 +267,7 @@ Test(gemm, panels_are_fma_chains_in_k_order)
 {
 	static const uint32_t shapes[][2] = {{16, 32},	{48, 40},   {7, 96},  {64, 1024},
 					     {257, 256}, {100, 288}, {32, 2}, {1024, 66}};
-	static const uint32_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 25};
+	static const uint32_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 23, 25, 37, 40};
 
 	if (!use("avx512")) {
 		cr_log_info("no AVX-512: the panel kernel does not run here");

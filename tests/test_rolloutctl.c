@@ -480,7 +480,7 @@ Test(ctl, unit_shows_owner_lease_samples_and_checkpoints)
 /* queues: every queue with keys under the prefix, sorted; other prefixes' are not listed */
 Test(ctl, queues_lists_the_queues_under_the_prefix)
 {
-	char q2[96], line[200];
+	char q2[sizeof(Q) + 2], line[200];
 	struct run *r;
 
 	(void)snprintf(q2, sizeof(q2), "%s-b", Q);
