@@ -623,10 +623,10 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 					f.tb[f.n_tb++] = t;
 			f.tb[f.n_tb] = T;
 			/* a decode step (no sequence in two runs, so no run reads K/V that another
-			 * task stores): each task stores its runs' K and V and attends them at once,
-			 * while the lines are in cache; a batch of a few runs keeps the KV heads
-			 * apart (4 tasks a run) so that both threads work */
-			f.runs_whole = f.n_tb >= RO_RUNS_PER_TASK * ro_pool_size(m->pool);
+			 * task stores): each task stores a run's K and V and attends it at once; a
+			 * batch of fewer runs keeps the KV heads apart (a task each) so that every
+			 * thread has work */
+			f.runs_whole = f.n_tb >= 2 * ro_pool_size(m->pool);
 			for (uint32_t b = 1; b < f.n_tb && f.runs_whole; b++)
 				if (f.seq[f.tb[b]] == f.seq[f.tb[b] - 1])
 					f.runs_whole = false;
@@ -645,8 +645,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 			ro_run_jobs(m, &J);
 #if defined(__x86_64__)
 			if (f.runs_whole) {
-				ro_pool_for(m->pool, (f.n_tb + RO_RUNS_PER_TASK - 1) / RO_RUNS_PER_TASK,
-					    ro_rope_attend_runs, &f);
+				ro_pool_for(m->pool, f.n_tb, ro_rope_attend_run, &f);
 			} else {
 				ro_pool_for(m->pool, T, ro_qk_rope_store, &f);
 				if (f.avx512)

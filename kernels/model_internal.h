@@ -137,7 +137,7 @@ struct fwd {
 	 * one sequence (at most 16 query rows in all), i < n_tb */
 	uint32_t *tb, n_tb;
 	bool combine512; /* the combine in 16 lanes: AVX-512, hidden % 64 == 0 */
-	bool runs_whole; /* each sequence's tokens are one run (a decode step): ro_rope_attend_runs */
+	bool runs_whole; /* each sequence's tokens are one run (a decode step): ro_rope_attend_run */
 };
 
 /* cpu/attention.c: per token, the biases, q/k norms and RoPE, stored into the cache; per
@@ -146,11 +146,8 @@ void ro_qk_rope_store(void *arg, uint32_t t);
 void ro_attend_one(void *arg, uint32_t i);
 /* The same with AVX-512 for a (token run, KV head): its tokens' query heads together. */
 void ro_attend_group(void *arg, uint32_t i);
-/* Both for the token runs [RO_RUNS_PER_TASK i, RO_RUNS_PER_TASK (i + 1)), when no
- * sequence has two runs in the forward: a run's tokens' K and V stored, then its KV groups
- * attended, while the next run's cache lines are asked for. */
-#define RO_RUNS_PER_TASK 4
-void ro_rope_attend_runs(void *arg, uint32_t i);
+/* Both for token run i, when no sequence has two runs in the forward (a decode step). */
+void ro_rope_attend_run(void *arg, uint32_t i);
 
 /* cpu/moe.c: routing, the local expert layer, and a rank's empty turn in an exchange. */
 void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids, float *w);
