@@ -868,8 +868,9 @@ Test(model, batch_is_bitwise_invariant)
 }
 
 /* A decode step of many sequences runs each one's K/V store and attention as one task
- * (ro_rope_attend_run): 12 sequences of different lengths (crossing a 64-position block during the steps), some of them taking
- * 2 or 3 tokens in a step, give the same bits as each sequence run alone. */
+ * (ro_rope_attend_run): 12 sequences of different lengths (crossing a 64-position block
+ * during the steps), some of them taking 2 or 3 tokens in a step, give the same bits as
+ * each sequence run alone. */
 Test(model, many_sequence_decode_is_bitwise_invariant)
 {
 	enum { N = 12, STEPS = 8 };
