@@ -234,6 +234,31 @@ static AVX512 void sumsq8(const float *x, uint32_t n8, double acc[8])
 	}
 	_mm512_storeu_pd(acc, a);
 }
+
+/* out = w * (x * scale), 16 lanes: the same two roundings an element as the scalar loop */
+static AVX512 void scale_mul16(const float *x, const float *w, float scale, uint32_t n16,
+			       float *out)
+{
+	const __m512 s = _mm512_set1_ps(scale);
+
+	for (uint32_t i = 0; i < n16; i += 16)
+		_mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(w + i),
+							_mm512_mul_ps(_mm512_loadu_ps(x + i), s)));
+}
+
+/* ro_rope in 16 lanes (h % 16 == 0): each element's two products and their sum or
+ * difference, rounded as the scalar loop rounds them */
+static AVX512 void rope16(float *v, const float *cs, const float *sn, uint32_t h)
+{
+	for (uint32_t i = 0; i < h; i += 16) {
+		const __m512 a = _mm512_loadu_ps(v + i), b = _mm512_loadu_ps(v + i + h),
+			     c = _mm512_loadu_ps(cs + i), s = _mm512_loadu_ps(sn + i);
+
+		_mm512_storeu_ps(v + i, _mm512_sub_ps(_mm512_mul_ps(a, c), _mm512_mul_ps(b, s)));
+		_mm512_storeu_ps(v + i + h,
+				 _mm512_add_ps(_mm512_mul_ps(b, c), _mm512_mul_ps(a, s)));
+	}
+}
 #endif
 
 void ro_rmsnorm(const float *x, const float *w, uint32_t n, double eps, float *out)
@@ -257,6 +282,16 @@ void ro_rmsnorm(const float *x, const float *w, uint32_t n, double eps, float *o
 	for (uint32_t i = n8; i < n; i++)
 		ss += (double)x[i] * x[i];
 	scale = (float)(1.0 / sqrt(ss / n + eps));
+#if defined(__x86_64__)
+	if (ro_kernels_avx512()) {
+		const uint32_t n16 = n & ~15u;
+
+		scale_mul16(x, w, scale, n16, out);
+		for (uint32_t i = n16; i < n; i++)
+			out[i] = w[i] * (x[i] * scale);
+		return;
+	}
+#endif
 	for (uint32_t i = 0; i < n; i++)
 		out[i] = w[i] * (x[i] * scale);
 }
@@ -265,6 +300,12 @@ void ro_rope(float *v, const float *cs, const float *sn, uint32_t hd)
 {
 	const uint32_t h = hd / 2;
 
+#if defined(__x86_64__)
+	if (h % 16 == 0 && ro_kernels_avx512()) {
+		rope16(v, cs, sn, h);
+		return;
+	}
+#endif
 	for (uint32_t i = 0; i < h; i++) {
 		float a = v[i], b = v[i + h];
 

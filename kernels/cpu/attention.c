@@ -441,9 +441,15 @@ static AVX512 void attend_rows512(struct arow *rw, uint32_t nr, uint32_t G,
 			}
 		p0 = e;
 	}
-	for (uint32_t r = 0; r < nr; r++)
-		for (uint32_t d = 0; d < hd; d++)
-			rw[r].out[d] = rw[r].out[d] / rw[r].sum;
+	/* (a division is exact-rounded in a lane as in a scalar: the same bits; as scalars
+	 * the 16 rows' 1,024 divisions were a tenth of this function's time at batch 128) */
+	for (uint32_t r = 0; r < nr; r++) {
+		const __m512 sum = _mm512_set1_ps(rw[r].sum);
+
+		for (uint32_t d = 0; d < hd; d += 16)
+			_mm512_storeu_ps(rw[r].out + d,
+					 _mm512_div_ps(_mm512_loadu_ps(rw[r].out + d), sum));
+	}
 }
 
 /* ro_attend_one for a run of tokens and a KV group: task i is (token run, KV head). */
