@@ -133,11 +133,21 @@ int ro_seq_reserve(struct ro_seq *s, uint32_t need)
 		n = blk_new(m);
 		if (!n)
 			return -ENOMEM;
-		/* K is stored transposed (a column per position): its whole part; V's rows */
-		for (uint32_t l = 0; l < m->c.layers * 2 && keep; l++)
-			memcpy(n + (size_t)l * RO_KV_BLOCK * row, o + (size_t)l * RO_KV_BLOCK * row,
-			       (l % 2 == 0 || keep >= RO_KV_BLOCK ? RO_KV_BLOCK : keep) * row *
-				   sizeof(float));
+		/* K is stored transposed (a column per position): its whole part; V the first
+		 * `keep` rows of each KV head */
+		for (uint32_t l = 0; l < m->c.layers * 2 && keep; l++) {
+			const size_t at = (size_t)l * RO_KV_BLOCK * row;
+
+			if (l % 2 == 0 || keep >= RO_KV_BLOCK) {
+				memcpy(n + at, o + at, RO_KV_BLOCK * row * sizeof(float));
+				continue;
+			}
+			for (uint32_t h = 0; h < m->c.kv_heads; h++) {
+				const size_t hat = at + (size_t)h * RO_KV_BLOCK * m->c.head_dim;
+
+				memcpy(n + hat, o + hat, keep * m->c.head_dim * sizeof(float));
+			}
+		}
 		if (keep)
 			__atomic_add_fetch(&m->kv_cow, 1, __ATOMIC_RELAXED);
 		s->blk[b] = n;

@@ -48,12 +48,13 @@ struct ro_model {
 	char pin_why[96];
 };
 
-/* The KV cache in blocks of RO_KV_BLOCK positions, as vLLM pages it: a block holds
- * [layers][K, V][RO_KV_BLOCK][kv_heads * head_dim] floats (K transposed: ro_kv_kt), 64
- * bytes after its reference count. A sequence's table lists its blocks by position /
- * RO_KV_BLOCK; ro_seq_fork shares every block (the n samples of a unit hold one copy of the prompt's cache), and a block
- * is copied the first time a sequence that shares it writes into it (ro_seq_reserve,
- * before a forward: the forward's tasks only store). Blocks are taken as positions come. */
+/* The KV cache in blocks of RO_KV_BLOCK positions, as vLLM pages it: a block holds, for
+ * each layer, K transposed ([kv_heads * head_dim][RO_KV_BLOCK] floats: ro_kv_kt) then V by
+ * KV head ([kv_heads][RO_KV_BLOCK][head_dim]: ro_kv_v), 64 bytes after its reference count.
+ * A sequence's table lists its blocks by position / RO_KV_BLOCK; ro_seq_fork shares every
+ * block (the n samples of a unit hold one copy of the prompt's cache), and a block is
+ * copied the first time a sequence that shares it writes into it (ro_seq_reserve, before a
+ * forward: the forward's tasks only store). Blocks are taken as positions come. */
 #define RO_KV_BLOCK 64
 
 /* The most experts a layer may have (the loader refuses more; routing keeps a bit each). */
@@ -66,13 +67,16 @@ struct ro_seq {
 	float **blk;
 };
 
-/* V of position pos at a layer: its row of kv_heads * head_dim floats. */
-static inline float *ro_kv_v(const struct ro_seq *s, uint32_t layer, uint32_t pos)
+/* V of position pos at a layer for KV head h: head_dim floats. A KV head's V rows of a block
+ * are contiguous (head_dim apart), so attention reads each head's values as one stream
+ * (rows of all heads together, a head's values were 256-byte pieces 1 KiB apart: with K^T,
+ * a cold decode task ran 42,000 cycles, the same task warm 8,600). */
+static inline float *ro_kv_v(const struct ro_seq *s, uint32_t layer, uint32_t h, uint32_t pos)
 {
-	const size_t row = (size_t)s->m->c.kv_heads * s->m->c.head_dim;
+	const size_t hd = s->m->c.head_dim, row = (size_t)s->m->c.kv_heads * hd;
 
-	return s->blk[pos / RO_KV_BLOCK] +
-	       (((size_t)layer * 2 + 1) * RO_KV_BLOCK + pos % RO_KV_BLOCK) * row;
+	return s->blk[pos / RO_KV_BLOCK] + ((size_t)layer * 2 + 1) * RO_KV_BLOCK * row +
+	       ((size_t)h * RO_KV_BLOCK + pos % RO_KV_BLOCK) * hd;
 }
 
 /* K at a layer is stored transposed in each block, [kv_heads * head_dim][RO_KV_BLOCK]: element

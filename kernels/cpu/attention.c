@@ -21,8 +21,8 @@
  * layer. */
 struct kv_span {
 	const struct ro_seq *s;
-	uint32_t layer, lo, hi, row;
-	size_t off; /* the KV head's first element in a row */
+	uint32_t layer, kvh, lo, hi, row; /* row: V's row stride (head_dim) */
+	size_t off; /* the KV head's first element in a row of K */
 };
 
 static inline uint32_t tile_end(const struct kv_span *kv, uint32_t p)
@@ -41,7 +41,7 @@ static inline const float *kv_kt(const struct kv_span *kv, uint32_t p)
 
 static inline const float *kv_v(const struct kv_span *kv, uint32_t p)
 {
-	return ro_kv_v(kv->s, kv->layer, p) + kv->off;
+	return ro_kv_v(kv->s, kv->layer, kv->kvh, p);
 }
 
 /* q . K[j] for the key in column j of a K^T tile: eight accumulators over the elements
@@ -68,7 +68,8 @@ static struct kv_span span_of(const struct fwd *f, uint32_t t, uint32_t kvh)
 	struct kv_span kv = {.s = f->seq[t],
 			     .layer = f->layer,
 			     .hi = f->pos[t] + 1,
-			     .row = c->kv_heads * c->head_dim,
+			     .kvh = kvh,
+			     .row = c->head_dim,
 			     .off = (size_t)kvh * c->head_dim};
 
 	if (c->sliding_window && kv.hi > c->sliding_window)
@@ -563,5 +564,6 @@ void ro_qk_rope_store(void *arg, uint32_t t)
 	/* (the forward made the block this position lands in the sequence's own) */
 	for (uint32_t i = 0; i < row; i++)
 		kt[(size_t)i * RO_KV_BLOCK] = k[i];
-	memcpy(ro_kv_v(s, f->layer, f->pos[t]), v, row * sizeof(float));
+	for (uint32_t hh = 0; hh < c->kv_heads; hh++)
+		memcpy(ro_kv_v(s, f->layer, hh, f->pos[t]), v + (size_t)hh * hd, hd * sizeof(float));
 }
