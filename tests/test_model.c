@@ -930,6 +930,50 @@ Test(model, many_sequence_decode_is_bitwise_invariant)
 	ro_model_free(m);
 }
 
+/* A sequence truncated inside a block (50 tokens, back to 40, as the engine undoes a failed
+ * batch) decodes the same bits as a sequence that only ever held the 40: what the cache
+ * holds past the new length is overwritten, never read. */
+Test(model, truncation_then_decode_is_bitwise_a_fresh_run)
+{
+	struct ro_model *m;
+	struct ro_seq *a, *b;
+	int32_t p[50], t;
+	float *la, *lb;
+	uint32_t V;
+
+	make("trunc", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	m = load("trunc", false);
+	V = ro_model_config(m)->vocab;
+	la = malloc(V * sizeof(float));
+	lb = malloc(V * sizeof(float));
+	for (int i = 0; i < 50; i++)
+		p[i] = (i * 29 + 3) % (int32_t)V;
+	cr_assert_eq(ro_seq_new(m, 128, &a), 0);
+	cr_assert_eq(ro_seq_new(m, 128, &b), 0);
+	{
+		struct ro_fwd_item ia = {a, p, 50, la, false}, ib = {b, p, 40, lb, false};
+
+		cr_assert_eq(ro_model_forward(m, &ia, 1), 0);
+		cr_assert_eq(ro_model_forward(m, &ib, 1), 0);
+	}
+	ro_seq_truncate(a, 40);
+	for (int step = 0; step < 12; step++) {
+		struct ro_fwd_item ia, ib;
+
+		t = (step * 13 + 1) % (int32_t)V;
+		ia = (struct ro_fwd_item){a, &t, 1, la, false};
+		ib = (struct ro_fwd_item){b, &t, 1, lb, false};
+		cr_assert_eq(ro_model_forward(m, &ia, 1), 0);
+		cr_assert_eq(ro_model_forward(m, &ib, 1), 0);
+		cr_expect_eq(memcmp(la, lb, V * sizeof(float)), 0, "position %u", 40 + step);
+	}
+	ro_seq_free(a);
+	ro_seq_free(b);
+	free(la);
+	free(lb);
+	ro_model_free(m);
+}
+
 /* Sample n tokens after prompt + prefix, drawing positions from prefix_len on. */
 static void sample_from(struct ro_model *m, const int32_t *prompt, uint32_t plen,
 			const int32_t *prefix, uint32_t k, const struct ro_sampling *sp, uint32_t n,
