@@ -67,7 +67,12 @@ static bool enter(struct ro_pool *p, uint64_t *s)
 static void *worker(void *arg)
 {
 	struct ro_pool *p = arg;
-	uint64_t seen = ST_GEN(atomic_load(&p->state));
+	/* the generation the pool was made with (0: state starts zeroed and no job opens
+	 * before ro_pool_new returns), not the one this thread first reads: a worker that
+	 * starts after the first job opened would take that job as already seen and sleep
+	 * through it (test_pool's workers_take_part waited out its 60 s timeout on it, every
+	 * run, on 2 vCPUs) */
+	uint64_t seen = 0;
 
 	for (;;) {
 		uint64_t s;
