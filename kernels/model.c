@@ -292,17 +292,15 @@ void ro_rmsnorm(const float *x, const float *w, uint32_t n, double eps, float *o
 	for (uint32_t i = n8; i < n; i++)
 		ss += (double)x[i] * x[i];
 	scale = (float)(1.0 / sqrt(ss / n + eps));
+	uint32_t i = 0;
+
 #if defined(__x86_64__)
 	if (ro_kernels_avx512()) {
-		const uint32_t n16 = n & ~15u;
-
-		scale_mul16(x, w, scale, n16, out);
-		for (uint32_t i = n16; i < n; i++)
-			out[i] = w[i] * (x[i] * scale);
-		return;
+		i = n & ~15u;
+		scale_mul16(x, w, scale, i, out);
 	}
 #endif
-	for (uint32_t i = 0; i < n; i++)
+	for (; i < n; i++)
 		out[i] = w[i] * (x[i] * scale);
 }
 
@@ -336,13 +334,28 @@ struct norm_task {
 };
 
 #if defined(__x86_64__)
-/* x += r, 16 lanes (the scalar loop compiles to scalars): the same additions */
-static AVX512 void add16(float *x, const float *r, uint32_t n16)
+static AVX512 void add16(float *x, const float *r, size_t n16)
 {
-	for (uint32_t d = 0; d < n16; d += 16)
+	for (size_t d = 0; d < n16; d += 16)
 		_mm512_storeu_ps(x + d, _mm512_add_ps(_mm512_loadu_ps(x + d), _mm512_loadu_ps(r + d)));
 }
 #endif
+
+/* x += r for n floats, in 16 lanes where AVX-512 runs (the scalar loop compiles to
+ * scalars): the same additions */
+static void add_to(float *x, const float *r, size_t n)
+{
+	size_t d = 0;
+
+#if defined(__x86_64__)
+	if (ro_kernels_avx512()) {
+		d = n & ~(size_t)15;
+		add16(x, r, d);
+	}
+#endif
+	for (; d < n; d++)
+		x[d] = x[d] + r[d];
+}
 
 static void norm_one(void *arg, uint32_t t)
 {
@@ -352,21 +365,11 @@ static void norm_one(void *arg, uint32_t t)
 	if (k->res) {
 		const float *r = k->res + (size_t)t * k->n;
 
-		uint32_t d = 0;
-
-		if (k->bias) {
-			for (; d < k->n; d++)
+		if (k->bias)
+			for (uint32_t d = 0; d < k->n; d++)
 				x[d] = x[d] + (r[d] + k->bias[d]);
-		} else {
-#if defined(__x86_64__)
-			if (ro_kernels_avx512()) {
-				d = k->n & ~15u;
-				add16(x, r, d);
-			}
-#endif
-			for (; d < k->n; d++)
-				x[d] = x[d] + r[d];
-		}
+		else
+			add_to(x, r, k->n);
 	}
 	ro_rmsnorm(x, k->w, k->n, k->eps, k->out + (size_t)t * k->n);
 }
@@ -516,10 +519,12 @@ uint32_t ro_chunk_for(const struct ro_model *m, uint32_t rows, uint32_t T, uint3
 		want = 1;
 	c = (rows + want - 1) / want;
 	/* whole blocks: AMX runs 32 rows a block (a chunk of 36 would run a 16-row tile for
-	 * its last 4), the AVX-512 panels 16 */
+	 * its last 4), the AVX-512 panels 16; and at least 2 panels, so that each weight load
+	 * feeds two panels' FMAs (a 64-expert router was 4 one-panel tasks: router phase 3.08
+	 * -> 2.71-2.81 ms a step at batch 128) */
 	c = amx ? (c + 31) & ~31u : (c + 15) & ~15u;
-	if (c < 16)
-		c = 16;
+	if (c < 32)
+		c = 32;
 	return c;
 }
 
@@ -703,7 +708,6 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 		m->split.other += lap(&tm);
 		for (uint32_t l = 0; l < c->layers; l++) {
 			const struct layer *L = &m->L[l];
-			uint32_t rch;
 
 			f.layer = l;
 			per_token(m, T, norm_one,
@@ -714,20 +718,20 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				goto out;
 			ro_run_jobs(m, &J);
 #if defined(__x86_64__)
-			if (f.runs_whole) {
+			if (f.runs_whole)
 				ro_pool_for(m->pool, f.n_tb, ro_rope_attend_run, &f);
-			} else {
+			else
+#endif
+			{
 				ro_pool_for(m->pool, T, ro_qk_rope_store, &f);
+#if defined(__x86_64__)
 				if (f.avx512)
 					ro_pool_for(m->pool, f.n_tb * c->kv_heads, ro_attend_group,
 						    &f);
 				else
+#endif
 					ro_pool_for(m->pool, T * c->heads, ro_attend_one, &f);
 			}
-#else
-			ro_pool_for(m->pool, T, ro_qk_rope_store, &f);
-			ro_pool_for(m->pool, T * c->heads, ro_attend_one, &f);
-#endif
 			/* o_proj into h, then the residual */
 			if ((r = ro_jobs_add(&J, &L->o, f.att, T, f.h, H, ro_chunk_for(m, H, T, 1))))
 				goto out;
@@ -749,17 +753,12 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				if ((r = ro_jobs_add(&J, &L->down[0], g, T, y, H, ro_chunk_for(m, H, T, 1))))
 					goto out;
 				ro_run_jobs(m, &J);
-				for (size_t i = 0; i < (size_t)T * H; i++)
-					f.x[i] = f.x[i] + y[i];
+				add_to(f.x, y, (size_t)T * H);
 				m->split.experts += lap(&tm);
 				continue;
 			}
-			/* the router in tasks of at least 2 panels (32 rows), so that its
-			 * weight loads feed two panels' FMAs: 64 experts were 4 one-panel tasks
-			 * (router phase 3.08 -> 2.71-2.81 ms a step at batch 128) */
-			rch = ro_chunk_for(m, c->experts, T, 1);
 			if ((r = ro_jobs_add(&J, &L->router, f.h, T, router, c->experts,
-					  rch < 32 ? 32 : rch)))
+					  ro_chunk_for(m, c->experts, T, 1))))
 				goto out;
 			ro_run_jobs(m, &J);
 			per_token(m, T, route_one, &(struct route_task){c, router, ids, rw});
@@ -772,8 +771,7 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				goto out;
 			if (m->have_xch && m->xch.summed) {
 				/* the transport summed the weighted outputs: only the residual */
-				for (size_t i = 0; i < (size_t)T * H; i++)
-					f.x[i] = f.x[i] + moe_out[i];
+				add_to(f.x, moe_out, (size_t)T * H);
 				m->split.experts += lap(&tm);
 				continue;
 			}
