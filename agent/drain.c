@@ -93,6 +93,11 @@ void ro_drain_triage(struct ro_agent *a)
 		    now + (int64_t)(rest * step * 1.25) > a->deadline_wall_ms)
 			ro_unit_end(a, u, END_REQUEUE, NULL);
 	}
+	/* a claim never answered may have leased units here: the rescan that looks for them
+	 * (ro_units_held) answers before we leave, so they are requeued rather than left to
+	 * expire; not past the deadline */
+	if (!a->held_done && now < a->deadline_wall_ms)
+		left = true;
 	if (!left)
 		a->state = RO_DRAINED;
 	pthread_mutex_unlock(&a->mu);

@@ -330,17 +330,24 @@ static int samples_owed(struct ro_agent *a, struct unit_rt *u)
 }
 
 /* A claimed (or, at start, still held) unit: checked, then handed to the engine. */
-static void admit(struct ro_agent *a, struct ro_claim *c, int64_t sent_ms, bool held)
+static bool admit(struct ro_agent *a, struct ro_claim *c, int64_t sent_ms, bool held)
 {
-	struct unit_rt *u = calloc(1, sizeof(*u));
+	struct unit_rt *u;
 	char why[300] = "";
 	enum unit_end end = END_NONE;
 	uint64_t need, avail;
 	int r;
 
+	for (const struct unit_rt *v = a->units; v; v = v->next)
+		if (v->cp != CP_GONE && !strcmp(v->c.id, c->id) && !strcmp(v->c.token, c->token)) {
+			/* already here under this lease (a rescan, a claim answered twice) */
+			ro_claim_clear(c);
+			return false;
+		}
+	u = calloc(1, sizeof(*u));
 	if (!u) {
 		ro_claim_clear(c);
-		return; /* its lease expires and a reaper gives it to another worker */
+		return false; /* its lease expires and a reaper gives it to another worker */
 	}
 	u->c = *c;
 	memset(c, 0, sizeof(*c)); /* moved */
@@ -396,12 +403,14 @@ static void admit(struct ro_agent *a, struct ro_claim *c, int64_t sent_ms, bool 
 	pthread_mutex_unlock(&a->mu);
 	ro_log(LOG_DEBUG, "claimed %s: attempt %u, %u samples owed, %u resumed%s", u->c.id,
 	       u->c.attempt, u->n_s, u->c.n_progress, held ? " (held by this worker id)" : "");
+	return true;
 }
 
 struct claim_ctx {
 	struct ro_agent *a;
 	int64_t sent_ms;
 	bool held;
+	bool unsure; /* held: looking for what a claim never answered leased here */
 };
 
 static void wait_marker(struct ro_agent *a);
@@ -410,6 +419,7 @@ static void on_claimed(void *arg, struct ro_queue_result *res)
 {
 	struct claim_ctx *x = arg;
 	struct ro_agent *a = x->a;
+	size_t taken = 0;
 
 	if (x->held) {
 		a->held_busy = false;
@@ -424,6 +434,11 @@ static void on_claimed(void *arg, struct ro_queue_result *res)
 				       res->msg);
 		}
 		a->next_claim_ms = ro_now_ms() + 1000;
+		/* a claim written and never answered may still run (or have run) on the
+		 * server: what it leased here is looked up (held) before anything else, so it
+		 * is worked on or requeued, not left to expire and charge an attempt */
+		if (!x->held && ro_queue_claim_unsure(a->q))
+			a->held_done = false;
 		free(x);
 		return;
 	}
@@ -434,15 +449,19 @@ static void on_claimed(void *arg, struct ro_queue_result *res)
 		ro_log(LOG_WARNING, "unit %s: dead-lettered by the queue, never sent here",
 		       res->refused[i]);
 	}
-	if (x->held && res->n_claims) {
-		a->n.resumed_held += res->n_claims;
-		ro_log(LOG_NOTICE, "this worker id still holds %zu units: resuming them",
-		       res->n_claims);
-	}
 	/* a claim sent again after a reconnect ran when it was last sent, not first */
 	for (size_t i = 0; i < res->n_claims; i++)
-		admit(a, &res->claims[i], res->sent_ms > x->sent_ms ? res->sent_ms : x->sent_ms,
-		      x->held);
+		taken += admit(a, &res->claims[i],
+			       res->sent_ms > x->sent_ms ? res->sent_ms : x->sent_ms, x->held);
+	if (x->held && taken) {
+		a->n.resumed_held += taken;
+		ro_log(LOG_NOTICE, "this worker id still holds %zu units it did not know of (%s): "
+		       "resuming them", taken, x->unsure ? "a claim never answered"
+							     : "an earlier run");
+		/* their leases run from their claim, not from this rescan: renewed now, not a
+		 * third of a lease from now */
+		a->next_renew_ms = 0;
+	}
 	/* nothing pending (a claim that only found units to refuse looks again at once) */
 	if (!x->held && !res->n_claims && !res->n_refused)
 		wait_marker(a);
@@ -467,6 +486,7 @@ void ro_units_held(struct ro_agent *a)
 		return;
 	x->a = a;
 	x->held = true;
+	x->unsure = ro_queue_claim_unsure(a->q) != 0;
 	x->sent_ms = ro_now_ms();
 	if (ro_queue_held_async(a->q, &cb))
 		free(x);

@@ -412,6 +412,9 @@ struct cmd {
 	char name[40]; /* the FCALL function or the command, for after_send */
 	enum kind kind;
 	int64_t deadline, sent_at;
+	/* when it was last written whole on any connection (sent_at: on this one): one that
+	 * times out after that may have run, even if the reconnect never sent it again */
+	int64_t written_at;
 	uint32_t block_ms, wait_n, wait_ms;
 	bool got_first;	  /* WAIT follows: its own reply came (held) */
 	redisReply *held; /* that reply, until WAIT's */
@@ -1890,7 +1893,7 @@ static void do_write(struct ro_conn *c)
 			continue;
 		c->woff = 0;
 		c->unsent = m->next;
-		m->sent_at = mono_ms();
+		m->sent_at = m->written_at = mono_ms();
 		if (c->o.after_send && m->kind == K_USER)
 			c->o.after_send(c->o.after_send_arg, m->name, c->fd);
 	}
@@ -1916,7 +1919,7 @@ static void expire(struct ro_conn *c, int64_t now)
 								       : c->last_err;
 		(void)snprintf(why, sizeof(why), "%s", down ? c->err : "redis: no reply in time");
 		m->fn = NULL;
-		sent = m->sent_at;
+		sent = m->sent_at ? m->sent_at : m->written_at;
 		if (!m->sent_at && !(m == c->unsent && (c->woff || c->wpend))) {
 			unlink_cmd(c, m);
 			cmd_free(m);

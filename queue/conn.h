@@ -62,7 +62,9 @@ struct ro_conn_opts {
 
 /* A reply (the callback owns it: freeReplyObject) or, with rep NULL, r < 0 and why. Error
  * replies (REDIS_REPLY_ERROR) that are not transient come as replies. sent_ms: when the
- * command was last written (monotonic; 0 if never): the server ran it after that. */
+ * command was last written (monotonic; 0 if never): the server ran it after that. With no
+ * reply, non-zero means it was written, to this connection or an earlier one, and may
+ * have run. */
 typedef void (*ro_conn_reply_fn)(void *arg, int r, redisReply *rep, const char *why,
 				 int64_t sent_ms);
 

@@ -29,6 +29,12 @@ struct ro_queue {
 	char *worker;
 	struct ro_queue_opts o;
 	uint64_t rng;
+	/* the request id of a claim that was sent and never answered (a timeout, a lost
+	 * connection): it may have run and leased units to this worker that it never heard
+	 * of. The next claim sends the same id, so the server answers with what that claim
+	 * took (scripts.lua, claim) instead of leaving those leases to expire, each charging
+	 * its unit an attempt. 0: none. */
+	uint64_t claim_unsure;
 	char err[256];
 };
 
@@ -96,6 +102,7 @@ struct args {
 	char **own;
 	size_t nown;
 	bool oom;
+	uint64_t reqid; /* a claim's request id (0: not a claim) */
 };
 
 static void args_add(struct args *a, const char *s, size_t len)
@@ -330,6 +337,8 @@ struct op {
 	redisReply *raw; /* the reply itself, for synchronous callers that parse it */
 	bool keep_raw;
 	bool parse_errors; /* error replies go to parse too */
+	bool replied;	   /* a reply came (an error reply too): the outcome is known */
+	uint64_t reqid;	   /* a claim's request id */
 	char *group;
 	char msg[256];
 };
@@ -365,6 +374,8 @@ static void op_reply(void *arg, int r, redisReply *rep, const char *why, int64_t
 	if (sent_ms > op->res.sent_ms)
 		op->res.sent_ms = sent_ms;
 
+	if (!r)
+		op->replied = true;
 	if (r) {
 		if (!op->res.r) {
 			op->res.r = r;
@@ -392,6 +403,14 @@ static void op_reply(void *arg, int r, redisReply *rep, const char *why, int64_t
 	}
 	if (--op->stages > 0)
 		return;
+	if (op->reqid) {
+		/* a claim written and never answered may have run; one answered has not or
+		 * has told what it took (an error reply means it ran no write) */
+		if (!op->replied && op->res.sent_ms)
+			op->q->claim_unsure = op->reqid;
+		else if (op->replied && op->q->claim_unsure == op->reqid)
+			op->q->claim_unsure = 0;
+	}
 	op->res.msg = op->msg;
 	if (op->done)
 		op->done(op->arg, &op->res);
@@ -437,6 +456,7 @@ static int submit_blocking(struct ro_queue *q, struct args *a,
 	op->arg = cb->arg;
 	op->count = count;
 	op->stages = 1;
+	op->reqid = a->reqid;
 	r = ro_conn_send(q->conn, (int)a->n, a->v, a->len,
 			 mono_ms() + (cb->timeout_ms ? cb->timeout_ms : q->o.retry_ms), block_ms,
 			 wait_for(q, a), q->o.wait_timeout_ms, op_reply, op);
@@ -860,11 +880,21 @@ static void args_claim(struct ro_queue *q, struct args *a, uint32_t k, uint32_t 
 	args_str(a, q->worker);
 	args_fmt(a, "%u", k);
 	args_fmt(a, "%u", lease_ms);
-	/* the request id makes a retried claim return what the lost one took */
-	args_fmt(a, "%016llx", (unsigned long long)rng_next(q));
+	/* the request id makes a retried claim return what the lost one took: sent again by
+	 * the connection after a reconnect, and by the next claim after one that was never
+	 * answered */
+	a->reqid = q->claim_unsure;
+	while (!a->reqid)
+		a->reqid = rng_next(q);
+	args_fmt(a, "%016llx", (unsigned long long)a->reqid);
 	args_fmt(a, "%u", q->o.max_attempts);
 	args_fmt(a, "%u", q->o.worker_ttl_ms);
 	args_bounds(q, a);
+}
+
+uint64_t ro_queue_claim_unsure(const struct ro_queue *q)
+{
+	return q->claim_unsure;
 }
 
 int ro_queue_claim_async(struct ro_queue *q, uint32_t k, uint32_t lease_ms,

@@ -194,6 +194,11 @@ int ro_queue_enqueue(struct ro_queue *q, const struct ro_unit *units, size_t cou
 /* Claim up to k units under a lease of lease_ms. Returns how many (0: none pending). */
 int ro_queue_claim(struct ro_queue *q, uint32_t k, uint32_t lease_ms, struct ro_claim **ret,
 		   size_t *ret_count);
+/* The request id of a claim that was sent and never answered (a timeout, a lost
+ * connection), 0 when there is none: that claim may have run, leasing units to this worker
+ * that it never heard of. The next claim sends the same id and gets exactly those back
+ * (their leases made new); ro_queue_held lists them too. */
+uint64_t ro_queue_claim_unsure(const struct ro_queue *q);
 /* Every unit this worker holds now (after a reconnect). */
 int ro_queue_held(struct ro_queue *q, struct ro_claim **ret, size_t *ret_count);
 void ro_claims_free(struct ro_claim *c, size_t count);

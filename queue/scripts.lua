@@ -115,9 +115,9 @@ end
 local function unit_head(ukey)
 	if type_of(ukey) ~= 'hash' then return nil end
 	local v = redis.call('HMGET', ukey, 'state', 'attempt', 'token', 'n', 'hist', 'npub', 'ckpt',
-		'owner')
+		'owner', 'exp')
 	return {state = v[1], attempt = v[2], token = v[3], n = v[4], hist = v[5], npub = v[6],
-		ckpt = v[7], owner = v[8]}
+		ckpt = v[7], owner = v[8], exp = v[9]}
 end
 
 -- The rest of f (body, meta) and its published samples and checkpoints, each checked
@@ -320,10 +320,16 @@ local function claim(keys, args)
 	local out = {}
 	local last = redis.call('HMGET', wkey, 'claim_req', 'claim_ids', 'claim_dead')
 	if last[1] == reqid then
+		-- what that request took and this worker still holds, its lease made new: the
+		-- worker counts its lease from this call (it may never have heard of the first,
+		-- a reply lost or too late), so the server must too
 		for id in string.gmatch(last[2] or '', '[^,]+') do
 			local ukey = P .. 'unit:' .. id
 			local f = unit_head(ukey)
-			if f and f.owner == worker then
+			if f and f.owner == worker and f.state == 'leased' and
+				(tonumber(f.exp) or 0) >= now then
+				redis.call('ZADD', P .. 'leases', now + lease, id)
+				redis.call('HSET', ukey, 'exp', now + lease)
 				out[#out + 1] = held_reply(P, ukey, id, f, b, worker, now)
 			end
 		end

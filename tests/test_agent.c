@@ -1153,6 +1153,85 @@ Test(agent, drain_on_time_with_redis_refusing, .timeout = 240)
 	drain_without_redis(true);
 }
 
+/* A claim the agent gave up on while Redis stood still (SIGSTOP) runs when it goes on,
+ * leasing a unit to an agent that never heard the answer. The agent must look up what its
+ * worker id holds, or claim again under the same request id, and run the unit under that
+ * lease: done with no expiry after the agent's claim. (It used to claim past it; the
+ * orphaned lease expired and charged the unit an attempt.) To have a unit for that claim
+ * to take and none for the agent to take first, another worker holds it under a lease
+ * that runs out while Redis is stopped (a claim reaps expired leases first). A server of
+ * its own, since it is stopped. */
+Test(agent, unanswered_claim_is_taken_up, .timeout = 240)
+{
+	struct ro_test_redis r;
+	redisContext *c;
+	char q[64], pfx[96];
+	struct ro_test_agent a;
+	redisReply *rep;
+	bool idle = false;
+	const char *body = "{\"id\":\"g-0\",\"prompt\":[5,6,7],\"n\":2,\"max_new_tokens\":24,"
+			   "\"sampling\":{\"temperature\":1.0,\"seed\":3}}";
+	const char *h;
+
+	cr_assert_eq(ro_test_redis_start(&r, false), 0);
+	agent_redis = r.url;
+	c = ro_test_redis_connect(r.url);
+	ro_test_name("ghost", q, sizeof(q));
+	start(&a, "ghostw", q,
+	      (const char *const[]){"--imds", "false", "--redis-timeout-ms", "200", "--lease-ms",
+				    "6000", "--max-attempts", "5", NULL},
+	      NULL);
+	/* idle: blocked on the wake-up marker */
+	for (int i = 0; i < 800 && !idle; i++) {
+		rep = redisCommand(c, "CLIENT LIST");
+		idle = rep && rep->type == REDIS_REPLY_STRING && strstr(rep->str, "flags=b ");
+		freeReplyObject(rep);
+		if (!idle)
+			ro_test_msleep(25);
+	}
+	cr_assert(idle, "the agent never waited for work");
+	/* in one write, so that the agent's claim (woken by the enqueue) comes after: the
+	 * unit, and worker x's claim of it under a 1.5 s lease */
+	(void)snprintf(pfx, sizeof(pfx), "ro:{%s}:", q);
+	(void)redisAppendCommand(c, "FCALL ro_enqueue 1 %s g-0 %s 2 %s", pfx, body, "");
+	(void)redisAppendCommand(c, "FCALL ro_claim 1 %s x 1 1500 0123456789abcdef 5 60000", pfx);
+	for (int i = 0; i < 2; i++) {
+		cr_assert_eq(redisGetReply(c, (void **)&rep), REDIS_OK);
+		cr_assert(rep->type != REDIS_REPLY_ERROR, "%s", rep->str);
+		freeReplyObject(rep);
+	}
+	cr_assert_eq(kill(r.pid, SIGSTOP), 0);
+	/* the agent's next look for work (its wait times out on the stopped server) is a
+	 * claim that times out in turn */
+	for (int i = 0; i < 1200 && !ro_test_agent_log_has(&a, "claim: "); i++)
+		ro_test_msleep(25);
+	ro_test_msleep(1600); /* x's lease is over by the server's clock too */
+	cr_assert_eq(kill(r.pid, SIGCONT), 0);
+	if (!ro_test_agent_log_has(&a, "claim: ")) {
+		ro_test_agent_dump_log(&a);
+		cr_assert_fail("no claim timed out while Redis was stopped");
+	}
+	if (!wait_done(c, q, 1, 120000))
+		ro_test_agent_dump_log(&a);
+	cr_assert_eq(done_count(c, q), 1);
+	rep = redisCommand(c, "HGET ro:{%s}:unit:g-0 hist", q);
+	cr_assert(rep && rep->type == REDIS_REPLY_STRING);
+	/* x's lease expired; after the agent's claim, nothing did */
+	h = strstr(rep->str, "\"w\":\"ghostw\"");
+	cr_assert(h, "the agent never claimed it: %s", rep->str);
+	if (strstr(h, "\"expired\""))
+		ro_test_agent_dump_log(&a);
+	cr_expect(!strstr(h, "\"expired\""), "a lease of the agent's expired: %s", rep->str);
+	cr_expect_eq(ro_test_int(c, "HGET ro:{%s}:unit:g-0 attempt", q), 2, "%s", rep->str);
+	freeReplyObject(rep);
+	(void)ro_test_verify_exactly_once(c, q, 1, 2);
+	ro_test_agent_term(&a);
+	cr_expect_eq(ro_test_agent_wait_exit(&a, 30000), 0);
+	redisFree(c);
+	ro_test_redis_stop(&r);
+	agent_redis = NULL;
+}
+
 /* A control connection; with nonblock, one the daemon must take at once (a unix socket
  * refuses a non-blocking connect while its backlog is full). */
 static int connect_to(const char *path, bool nonblock)

@@ -142,6 +142,52 @@ Test(faults, lost_claim_reply_returns_the_same_units)
 	ro_queue_free(q);
 }
 
+/* A claim written while the server stood still (SIGSTOP) and given up before it answered:
+ * the server runs it once it goes on, leasing units to a worker that never heard of them.
+ * The next claim must take those (and make their leases new), not more: otherwise each
+ * such lease expires unused and charges its unit an attempt. */
+Test(faults, unanswered_claim_is_taken_by_the_next_one)
+{
+	struct ro_queue_opts o = {.url = S.url, .queue = "lr", .worker = "w-late", .retry_ms = 400};
+	struct ro_queue *q;
+	struct ro_claim *c = NULL;
+	size_t n = 0;
+	redisReply *rep;
+	long long exp0, exp1;
+
+	cr_assert_eq(ro_queue_new(&o, &q), 0);
+	ro_test_enqueue(q, "lr", 0, 3, 1, false);
+	cr_assert_eq(kill(S.pid, SIGSTOP), 0);
+	cr_assert_lt(ro_queue_claim(q, 1, 10000, &c, &n), 0, "a stopped server answered");
+	cr_assert_eq(n, 0);
+	cr_assert_eq(kill(S.pid, SIGCONT), 0);
+	/* the claim is in the server's socket: it runs now, for nobody */
+	for (int i = 0; i < 2000 && ro_test_int(R, "ZCARD ro:{lr}:leases") < 1; i++)
+		ro_test_msleep(5);
+	cr_assert_eq(ro_test_int(R, "ZCARD ro:{lr}:leases"), 1, "the late claim never ran");
+	exp0 = ro_test_int(R, "ZSCORE ro:{lr}:leases lr-0");
+	ro_test_msleep(20);
+
+	cr_assert_eq(ro_queue_claim(q, 1, 10000, &c, &n), 1, "%s", ro_queue_errmsg(q));
+	cr_assert_str_eq(c[0].id, "lr-0", "the next claim took another unit");
+	rep = redisCommand(R, "HGET ro:{lr}:unit:lr-0 token");
+	cr_assert_str_eq(c[0].token, rep->str);
+	freeReplyObject(rep);
+	cr_assert_eq(ro_test_int(R, "ZCARD ro:{lr}:leases"), 1, "a second unit was leased");
+	cr_assert_eq(ro_test_int(R, "LLEN ro:{lr}:pending"), 2);
+	exp1 = ro_test_int(R, "ZSCORE ro:{lr}:leases lr-0");
+	cr_assert_gt(exp1, exp0, "the lease runs from the first claim, not from this one");
+	cr_assert_eq(ro_test_int(R, "HGET ro:{lr}:unit:lr-0 exp"), exp1);
+	ro_claims_free(c, n);
+
+	/* answered: the one after takes a new unit */
+	cr_assert_eq(ro_queue_claim(q, 1, 10000, &c, &n), 1, "%s", ro_queue_errmsg(q));
+	cr_assert_str_eq(c[0].id, "lr-1");
+	cr_assert_eq(ro_test_int(R, "ZCARD ro:{lr}:leases"), 2);
+	ro_claims_free(c, n);
+	ro_queue_free(q);
+}
+
 Test(faults, lost_complete_reply_completes_once)
 {
 	struct killer k = {.fn = "ro_complete", .when = "XLEN ro:{lr}:groups", .client = "w-done"};
