@@ -154,6 +154,8 @@ struct ro_agent {
 	bool engine_started;
 	bool stop_claiming, backpressure;
 	bool claim_busy, wait_busy, renew_busy, hb_busy, backlog_busy, held_done, held_busy;
+	/* the claim never answered (its request id) that a held rescan looked after */
+	uint64_t held_for;
 	bool exiting;
 	bool hard_exit; /* the hard deadline ended the drain */
 	bool redis_was_up;

@@ -93,11 +93,21 @@ void ro_drain_triage(struct ro_agent *a)
 		    now + (int64_t)(rest * step * 1.25) > a->deadline_wall_ms)
 			ro_unit_end(a, u, END_REQUEUE, NULL);
 	}
-	/* a claim never answered may have leased units here: the rescan that looks for them
-	 * (ro_units_held) answers before we leave, so they are requeued rather than left to
-	 * expire; not past the deadline */
-	if (!a->held_done && now < a->deadline_wall_ms)
-		left = true;
+	/* What a claim may have leased here is requeued, not left to expire and charge an
+	 * attempt, so before leaving (not past the deadline): a claim in flight is answered,
+	 * and after one that never was (it may run on the server later, or did) the held
+	 * rescan (on the tick) looks for what it took. Running, the next claim takes that up
+	 * itself: it carries the same request id. */
+	if (now < a->deadline_wall_ms) {
+		const uint64_t unsure = ro_queue_claim_unsure(a->q);
+
+		if (unsure && a->held_for != unsure) {
+			left = true;
+			a->held_done = false;
+		}
+		if (a->claim_busy)
+			left = true;
+	}
 	if (!left)
 		a->state = RO_DRAINED;
 	pthread_mutex_unlock(&a->mu);

@@ -338,17 +338,13 @@ static bool admit(struct ro_agent *a, struct ro_claim *c, int64_t sent_ms, bool 
 	uint64_t need, avail;
 	int r;
 
+	/* what is not taken here stays in the result, which frees it */
 	for (const struct unit_rt *v = a->units; v; v = v->next)
-		if (v->cp != CP_GONE && !strcmp(v->c.id, c->id) && !strcmp(v->c.token, c->token)) {
-			/* already here under this lease (a rescan, a claim answered twice) */
-			ro_claim_clear(c);
-			return false;
-		}
+		if (v->cp != CP_GONE && !strcmp(v->c.id, c->id) && !strcmp(v->c.token, c->token))
+			return false; /* already here under this lease (a rescan, a retried claim) */
 	u = calloc(1, sizeof(*u));
-	if (!u) {
-		ro_claim_clear(c);
+	if (!u)
 		return false; /* its lease expires and a reaper gives it to another worker */
-	}
 	u->c = *c;
 	memset(c, 0, sizeof(*c)); /* moved */
 	if (u->c.n_progress_dropped) {
@@ -410,7 +406,7 @@ struct claim_ctx {
 	struct ro_agent *a;
 	int64_t sent_ms;
 	bool held;
-	bool unsure; /* held: looking for what a claim never answered leased here */
+	uint64_t unsure; /* held: looking for what that claim, never answered, leased here */
 };
 
 static void wait_marker(struct ro_agent *a);
@@ -434,14 +430,11 @@ static void on_claimed(void *arg, struct ro_queue_result *res)
 				       res->msg);
 		}
 		a->next_claim_ms = ro_now_ms() + 1000;
-		/* a claim written and never answered may still run (or have run) on the
-		 * server: what it leased here is looked up (held) before anything else, so it
-		 * is worked on or requeued, not left to expire and charge an attempt */
-		if (!x->held && ro_queue_claim_unsure(a->q))
-			a->held_done = false;
 		free(x);
 		return;
 	}
+	if (x->held && x->unsure)
+		a->held_for = x->unsure;
 	a->last_redis_ok_ms = ro_now_ms();
 	/* units the queue dead-lettered instead of sending them here (over a bound) */
 	for (size_t i = 0; i < res->n_refused; i++) {
@@ -486,7 +479,7 @@ void ro_units_held(struct ro_agent *a)
 		return;
 	x->a = a;
 	x->held = true;
-	x->unsure = ro_queue_claim_unsure(a->q) != 0;
+	x->unsure = ro_queue_claim_unsure(a->q);
 	x->sent_ms = ro_now_ms();
 	if (ro_queue_held_async(a->q, &cb))
 		free(x);

@@ -1920,6 +1920,8 @@ static void expire(struct ro_conn *c, int64_t now)
 		(void)snprintf(why, sizeof(why), "%s", down ? c->err : "redis: no reply in time");
 		m->fn = NULL;
 		sent = m->sent_at ? m->sent_at : m->written_at;
+		if (!sent && m == c->unsent && (c->woff || c->wpend))
+			sent = now; /* partly written: it is finished, and may run */
 		if (!m->sent_at && !(m == c->unsent && (c->woff || c->wpend))) {
 			unlink_cmd(c, m);
 			cmd_free(m);

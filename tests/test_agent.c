@@ -1154,9 +1154,9 @@ Test(agent, drain_on_time_with_redis_refusing, .timeout = 240)
 }
 
 /* A claim the agent gave up on while Redis stood still (SIGSTOP) runs when it goes on,
- * leasing a unit to an agent that never heard the answer. The agent must look up what its
- * worker id holds, or claim again under the same request id, and run the unit under that
- * lease: done with no expiry after the agent's claim. (It used to claim past it; the
+ * leasing a unit to an agent that never heard the answer. The agent's next claim carries
+ * the same request id and gets the unit back, and runs it under that lease: done with no
+ * expiry after the agent's claim. (It used to claim past it; the
  * orphaned lease expired and charged the unit an attempt.) To have a unit for that claim
  * to take and none for the agent to take first, another worker holds it under a lease
  * that runs out while Redis is stopped (a claim reaps expired leases first). A server of

@@ -148,7 +148,9 @@ Test(faults, lost_claim_reply_returns_the_same_units)
  * such lease expires unused and charges its unit an attempt. */
 Test(faults, unanswered_claim_is_taken_by_the_next_one)
 {
-	struct ro_queue_opts o = {.url = S.url, .queue = "lr", .worker = "w-late", .retry_ms = 400};
+	/* 2 s: what a claim into the stopped server waits; the server answers the later ones
+	 * within it (on a busy sanitizer box too) */
+	struct ro_queue_opts o = {.url = S.url, .queue = "lr", .worker = "w-late", .retry_ms = 2000};
 	struct ro_queue *q;
 	struct ro_claim *c = NULL;
 	size_t n = 0;

@@ -750,20 +750,29 @@ static bool explained(const char *worker, int64_t from, int64_t to)
 	return false;
 }
 
+/* how long after SIGCONT a stopped server may still be running what waited in its sockets
+ * (it reads them at once; a busy sanitizer box is slow) */
+#define GHOST_MS 10000
+
 /* A claim Redis ran at `at` for a worker id no agent process held then (every process of
  * it had exited, none had started yet again) can only be a command one of them wrote
  * before it left, run late. That is an injected fault's doing when the one that left last
  * exited while Redis stood paused: the claim sat in the stopped server's socket and ran at
  * SIGCONT, for nobody. (A process alive at `at` must take such a claim up itself: the next
- * claim it sends carries the same request id.) */
-static bool ghost_claim(const char *worker, int64_t at)
+ * claim it sends carries the same request id; so must one that starts under that worker id
+ * before the lease expires: it asks what the id holds.) */
+static bool ghost_claim(const char *worker, int64_t at, int64_t expired_at)
 {
 	const struct agent *last = NULL;
 
 	for (int i = 0; i < C.nag; i++) {
 		const struct agent *a = &C.ag[i];
 
-		if (strcmp(a->worker, worker) || a->start > at)
+		if (strcmp(a->worker, worker))
+			continue;
+		if (a->start > at && a->start <= expired_at)
+			return false; /* a restart under that id must take up what it holds */
+		if (a->start > at)
 			continue;
 		if (!a->exited || a->exit_at >= at)
 			return false; /* alive when the claim ran */
@@ -774,7 +783,7 @@ static bool ghost_claim(const char *worker, int64_t at)
 		return false;
 	for (int i = 0; i < C.npauses; i++)
 		if (C.pauses[i].from <= last->exit_at && last->exit_at <= C.pauses[i].to &&
-		    at >= C.pauses[i].to)
+		    at >= C.pauses[i].to && at <= C.pauses[i].to + GHOST_MS)
 			return true;
 	return false;
 }
@@ -792,7 +801,7 @@ static bool expiry_explained(const struct ev *e, int j, int64_t *ret_from)
 		}
 	if (ret_from)
 		*ret_from = from;
-	return explained(e[j].w, from, e[j].t) || ghost_claim(e[j].w, from);
+	return explained(e[j].w, from, e[j].t) || ghost_claim(e[j].w, from, e[j].t);
 }
 
 /* ---- agent logs ------------------------------------------------------------------------------ */
