@@ -1909,6 +1909,7 @@ static void expire(struct ro_conn *c, int64_t now)
 		void *arg = m->arg;
 		char why[320];
 		int64_t sent;
+		bool partial;
 		int r;
 
 		next = m->next;
@@ -1919,10 +1920,11 @@ static void expire(struct ro_conn *c, int64_t now)
 								       : c->last_err;
 		(void)snprintf(why, sizeof(why), "%s", down ? c->err : "redis: no reply in time");
 		m->fn = NULL;
+		partial = m == c->unsent && (c->woff || c->wpend);
 		sent = m->sent_at ? m->sent_at : m->written_at;
-		if (!sent && m == c->unsent && (c->woff || c->wpend))
+		if (!sent && partial)
 			sent = now; /* partly written: it is finished, and may run */
-		if (!m->sent_at && !(m == c->unsent && (c->woff || c->wpend))) {
+		if (!m->sent_at && !partial) {
 			unlink_cmd(c, m);
 			cmd_free(m);
 		}

@@ -91,6 +91,12 @@ local function lease_ok(P, ukey, id, token, now)
 	return holds(redis.call('HMGET', ukey, 'state', 'token', 'exp'), token, now)
 end
 
+-- the lease on id (unit key ukey) runs lease ms from now
+local function extend(P, ukey, id, now, lease)
+	redis.call('ZADD', P .. 'leases', now + lease, id)
+	redis.call('HSET', ukey, 'exp', now + lease)
+end
+
 local function stale(id)
 	return err('STALE', 'lease on ' .. id .. ' is not held by this token')
 end
@@ -328,8 +334,7 @@ local function claim(keys, args)
 			local f = unit_head(ukey)
 			if f and f.owner == worker and f.state == 'leased' and
 				(tonumber(f.exp) or 0) >= now then
-				redis.call('ZADD', P .. 'leases', now + lease, id)
-				redis.call('HSET', ukey, 'exp', now + lease)
+				extend(P, ukey, id, now, lease)
 				out[#out + 1] = held_reply(P, ukey, id, f, b, worker, now)
 			end
 		end
@@ -402,8 +407,7 @@ local function renew(keys, args)
 		local id, token = args[i], args[i + 1]
 		local ukey = P .. 'unit:' .. id
 		if lease_ok(P, ukey, id, token, now) then
-			redis.call('ZADD', P .. 'leases', now + lease, id)
-			redis.call('HSET', ukey, 'exp', now + lease)
+			extend(P, ukey, id, now, lease)
 			out[#out + 1] = 1
 		else
 			out[#out + 1] = 0

@@ -90,6 +90,7 @@ struct drain {
 struct disruption { /* a time when a lease could expire through no fault of the daemon */
 	char worker[48]; /* "*": every worker (Redis) */
 	int64_t from, to;
+	bool pause; /* Redis SIGSTOP to SIGCONT */
 };
 
 struct unit {
@@ -129,8 +130,6 @@ static struct {
 	int ndr;
 	struct disruption ds[2048];
 	int nds;
-	struct disruption pauses[256]; /* Redis SIGSTOP to SIGCONT */
-	int npauses;
 	int kinds[CH_NKINDS], skipped;
 	struct unit *u;
 	int nu;
@@ -185,12 +184,13 @@ static struct unit *unit_by_id(const char *id)
 	return NULL;
 }
 
-static void add_disruption(const char *worker, int64_t from, int64_t to)
+static struct disruption *add_disruption(const char *worker, int64_t from, int64_t to)
 {
 	if (C.nds == 2048)
-		return;
+		return NULL;
 	C.ds[C.nds] = (struct disruption){.from = from, .to = to};
-	(void)snprintf(C.ds[C.nds++].worker, sizeof(C.ds[0].worker), "%s", worker);
+	(void)snprintf(C.ds[C.nds].worker, sizeof(C.ds[0].worker), "%s", worker);
+	return &C.ds[C.nds++];
 }
 
 static void read_record(void)
@@ -291,12 +291,11 @@ static void read_record(void)
 			if (!strcmp(v, "pause"))
 				pause_at = at;
 			else if (!strcmp(v, "cont")) {
-				add_disruption("*", pause_at, at);
-				if (C.npauses < 256)
-					C.pauses[C.npauses++] =
-					    (struct disruption){.worker = "*", .from = pause_at, .to = at};
-			}
-			else if (!strcmp(v, "crash")) {
+				struct disruption *d = add_disruption("*", pause_at, at);
+
+				if (d)
+					d->pause = true;
+			} else if (!strcmp(v, "crash")) {
 				crash_at = at;
 				if (ch_kv_ll(line, "lost_bytes", 0) > 0)
 					C.lost = true;
@@ -781,10 +780,13 @@ static bool ghost_claim(const char *worker, int64_t at, int64_t expired_at)
 	}
 	if (!last)
 		return false;
-	for (int i = 0; i < C.npauses; i++)
-		if (C.pauses[i].from <= last->exit_at && last->exit_at <= C.pauses[i].to &&
-		    at >= C.pauses[i].to && at <= C.pauses[i].to + GHOST_MS)
+	for (int i = 0; i < C.nds; i++) {
+		const struct disruption *d = &C.ds[i];
+
+		if (d->pause && d->from <= last->exit_at && last->exit_at <= d->to && at >= d->to &&
+		    at <= d->to + GHOST_MS)
 			return true;
+	}
 	return false;
 }
 
