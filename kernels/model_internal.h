@@ -140,6 +140,9 @@ struct fwd {
 	/* ro_attend_group's token runs: tokens [tb[i], tb[i + 1]) are consecutive positions of
 	 * one sequence (at most 16 query rows in all), i < n_tb */
 	uint32_t *tb, n_tb;
+	/* the K/V stores' runs: tokens [sb[i], sb[i + 1]) are consecutive positions of one
+	 * sequence in one 16-position line of K^T, i < n_sb */
+	uint32_t *sb, n_sb;
 	bool combine512; /* the combine in 16 lanes: AVX-512, hidden % 64 == 0 */
 	bool runs_whole; /* each sequence's tokens are one run (a decode step): ro_rope_attend_run */
 };
@@ -147,6 +150,8 @@ struct fwd {
 /* cpu/attention.c: per token, the biases, q/k norms and RoPE, stored into the cache; per
  * (token, head), attention over the cache. Both are ro_pool_for tasks over struct fwd. */
 void ro_qk_rope_store(void *arg, uint32_t t);
+/* ro_qk_rope_store for the tokens of store run i (struct fwd's sb) */
+void ro_qk_rope_store_run(void *arg, uint32_t i);
 void ro_attend_one(void *arg, uint32_t i);
 /* The same with AVX-512 for a (token run, KV head): its tokens' query heads together. */
 void ro_attend_group(void *arg, uint32_t i);

@@ -396,9 +396,19 @@ static AVX512 void attend_rows512(struct arow *rw, uint32_t nr, uint32_t G,
 				continue; /* none of its keys here (a window that starts later) */
 			w = rb - ra;
 			s = &sc[r][ra - blk];
-			for (uint32_t j = 0; j < w; j++)
-				if (s[j] > tmx)
-					tmx = s[j];
+			{
+				/* the tile's max in 16 lanes (the same value in any order; as a
+				 * scalar chain it cost as much as the tile's scores) */
+				__m512 mv = _mm512_set1_ps(tmx);
+
+				for (uint32_t j = 0; j < w; j += 16) {
+					const __mmask16 k =
+					    w - j >= 16 ? 0xffff : (__mmask16)((1u << (w - j)) - 1);
+
+					mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, k, s + j));
+				}
+				tmx = _mm512_reduce_max_ps(mv);
+			}
 			if (tmx > x->mx) {
 				const float f = expf(x->mx - tmx);
 
@@ -502,6 +512,14 @@ void ro_rope_attend_run(void *arg, uint32_t i)
 		ro_attend_group(f, i * kvh + g);
 }
 #endif
+
+void ro_qk_rope_store_run(void *arg, uint32_t i)
+{
+	const struct fwd *f = arg;
+
+	for (uint32_t t = f->sb[i]; t < f->sb[i + 1]; t++)
+		ro_qk_rope_store(arg, t);
+}
 
 void ro_attend_one(void *arg, uint32_t i)
 {
