@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
 
 #include "kernels/model_internal.h"
 #include "kernels/cpu/simd.h"
@@ -51,11 +52,25 @@ int ro_seq_new(struct ro_model *m, uint32_t max_len, struct ro_seq **ret)
 
 /* ---- KV blocks ---- */
 
-#define BLK_HEAD 64 /* the reference count, and the data 64-byte aligned after it */
+/* A block is one allocation: a 64-byte head that holds its reference count, then its data
+ * (every layer's K^T and V for RO_KV_BLOCK positions). A block of 1 MiB or more is mapped
+ * on its own with its data 2 MiB-aligned (the head at the end of the 4 KiB page before it),
+ * and asked for transparent huge pages: a decode step reads a sequence's K^T and V of a
+ * layer across ~28 pages of 4 KiB, one TLB miss each (a nested walk in a VM); in 2 MiB
+ * pages it is one. */
+#define BLK_HEAD 64
+#define BLK_HUGE ((size_t)2 << 20)
+#define BLK_PAGE ((size_t)4096)
 
 static size_t blk_bytes(const struct ro_model *m)
 {
 	return (size_t)m->c.layers * 2 * RO_KV_BLOCK * ro_kv_row(m) * sizeof(float);
+}
+
+/* what a block takes beyond its data: its head, or the page that holds it */
+static size_t blk_over(const struct ro_model *m)
+{
+	return blk_bytes(m) >= BLK_HUGE / 2 ? BLK_PAGE : BLK_HEAD;
 }
 
 static uint32_t *blk_ref(float *b)
@@ -63,21 +78,54 @@ static uint32_t *blk_ref(float *b)
 	return (uint32_t *)(void *)((char *)b - BLK_HEAD);
 }
 
+/* the mapping of a block's data (whole pages), 0 for a block from malloc */
+static size_t blk_map_bytes(const struct ro_model *m)
+{
+	return blk_over(m) == BLK_PAGE ? (blk_bytes(m) + BLK_PAGE - 1) / BLK_PAGE * BLK_PAGE : 0;
+}
+
 static float *blk_new(struct ro_model *m)
 {
-	char *p = aligned_alloc(BLK_HEAD, BLK_HEAD + blk_bytes(m));
+	const size_t map = blk_map_bytes(m);
+	char *p;
 
-	if (!p)
-		return NULL;
-	*(uint32_t *)(void *)p = 1;
+	if (map) {
+		/* the head's page, the data, and BLK_HUGE to align it; the ends given back */
+		const size_t all = BLK_PAGE + map + BLK_HUGE;
+		char *q = mmap(NULL, all, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+			       -1, 0);
+		size_t lead;
+
+		if (q == MAP_FAILED)
+			return NULL;
+		p = q + BLK_PAGE;
+		p += (BLK_HUGE - (uintptr_t)p % BLK_HUGE) % BLK_HUGE;
+		lead = (size_t)(p - BLK_PAGE - q);
+		if (lead)
+			(void)munmap(q, lead);
+		(void)munmap(p + map, all - lead - BLK_PAGE - map);
+		(void)madvise(p, map, MADV_HUGEPAGE); /* a hint: 4 KiB pages without THP */
+	} else {
+		char *q = aligned_alloc(BLK_HEAD, BLK_HEAD + blk_bytes(m));
+
+		if (!q)
+			return NULL;
+		p = q + BLK_HEAD;
+	}
+	*blk_ref((float *)(void *)p) = 1;
 	__atomic_add_fetch(&m->kv_blocks, 1, __ATOMIC_RELAXED);
-	return (float *)(void *)(p + BLK_HEAD);
+	return (float *)(void *)p;
 }
 
 static void blk_put(struct ro_model *m, float *b)
 {
 	if (b && __atomic_sub_fetch(blk_ref(b), 1, __ATOMIC_ACQ_REL) == 0) {
-		free((char *)b - BLK_HEAD);
+		const size_t map = blk_map_bytes(m);
+
+		if (map)
+			(void)munmap((char *)b - BLK_PAGE, BLK_PAGE + map);
+		else
+			free((char *)b - BLK_HEAD);
 		__atomic_sub_fetch(&m->kv_blocks, 1, __ATOMIC_RELAXED);
 	}
 }
@@ -855,7 +903,7 @@ uint64_t ro_model_seq_bytes(const struct ro_model *m, uint32_t max_len)
 	const uint64_t max = max_len ? max_len : m->c.max_pos;
 	const uint64_t nb = (max + RO_KV_BLOCK - 1) / RO_KV_BLOCK;
 
-	return sizeof(struct ro_seq) + nb * (BLK_HEAD + blk_bytes(m)) + table_bytes(nb);
+	return sizeof(struct ro_seq) + nb * (blk_over(m) + blk_bytes(m)) + table_bytes(nb);
 }
 
 /* A prompt of prompt_len positions prefilled once, then forked n ways, each growing to
@@ -864,7 +912,7 @@ uint64_t ro_model_seq_bytes(const struct ro_model *m, uint32_t max_len)
 uint64_t ro_model_forks_bytes(const struct ro_model *m, uint32_t prompt_len, uint32_t max_len,
 			      uint32_t n)
 {
-	const uint64_t max = max_len ? max_len : m->c.max_pos, b = BLK_HEAD + blk_bytes(m);
+	const uint64_t max = max_len ? max_len : m->c.max_pos, b = blk_over(m) + blk_bytes(m);
 	const uint64_t nb = (max + RO_KV_BLOCK - 1) / RO_KV_BLOCK;
 	const uint64_t pb = ((uint64_t)prompt_len + RO_KV_BLOCK - 1) / RO_KV_BLOCK,
 		       full = prompt_len / RO_KV_BLOCK;

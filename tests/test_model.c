@@ -1125,8 +1125,9 @@ static float *rows_of(struct ro_model *m, const int32_t *a, uint32_t na, const i
 }
 
 /* Paged KV: forks hold the prompt's blocks once, a shared block is copied only when a fork
- * writes into it, and what each fork computes is bitwise what a sequence of its own would. */
-Test(model, paged_kv_forks_share_blocks_and_copy_on_write)
+ * writes into it, and what each fork computes is bitwise what a sequence of its own would.
+ * The model in sub decides where its blocks come from (malloc, or mappings of their own). */
+static void paged_kv_forks(const char *sub)
 {
 	enum { P = 130, N = 4, D = 80 };
 	struct ro_model *m;
@@ -1137,8 +1138,7 @@ Test(model, paged_kv_forks_share_blocks_and_copy_on_write)
 	uint64_t bytes, shared;
 	uint32_t V;
 
-	make("paged", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
-	m = load("paged", false);
+	m = load(sub, false);
 	V = ro_model_config(m)->vocab;
 	prompt = prompt_of(P, V, 9);
 	cr_assert_eq(ro_seq_new(m, 400, &b), 0);
@@ -1229,6 +1229,41 @@ Test(model, paged_kv_forks_share_blocks_and_copy_on_write)
 	free(prompt);
 	free(q);
 	ro_model_free(m);
+}
+
+Test(model, paged_kv_forks_share_blocks_and_copy_on_write)
+{
+	make("paged", RO_ARCH_QWEN3_MOE, "BF16", 1, 0);
+	paged_kv_forks("paged");
+}
+
+/* The same with blocks of 2 MiB (8 layers x K and V x 64 positions x 512 floats): each is
+ * a mapping of its own, 2 MiB-aligned for a huge page, its reference count in the page
+ * before it; the copies on write, the truncation and the frees go through those. */
+Test(model, paged_kv_in_blocks_of_their_own_mappings)
+{
+	struct ro_make_model_opts o;
+	struct ro_model *m;
+	struct ro_kv_stats st;
+	char err[256];
+
+	ro_make_model_defaults(&o);
+	o.layers = 8;
+	o.heads = 8;
+	o.kv_heads = 8;
+	o.head_dim = 64;
+	o.seed = 11;
+	cr_assert_eq(ro_make_model(&o, path("paged2m"), err, sizeof(err)), 0, "%s", err);
+	m = load("paged2m", false);
+	ro_model_kv_stats(m, &st);
+	cr_assert_eq(st.block_bytes, (uint64_t)2 << 20);
+	/* a block's data and the page of its head, counted in what a sequence may take */
+	cr_expect_eq(ro_model_seq_bytes(m, 64) - ro_model_seq_bytes(m, 1), 0);
+	cr_expect_geq(ro_model_seq_bytes(m, 65) - ro_model_seq_bytes(m, 64),
+		      ((uint64_t)2 << 20) + 4096, "a second block: %llu bytes more",
+		      (unsigned long long)(ro_model_seq_bytes(m, 65) - ro_model_seq_bytes(m, 64)));
+	ro_model_free(m);
+	paged_kv_forks("paged2m");
 }
 
 /* A prompt of several attention tiles, against the reference at every position. */
