@@ -785,8 +785,8 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 				ro_pool_for(m->pool, f.n_sb, ro_qk_rope_store_run, &f);
 #if defined(__x86_64__)
 				if (f.avx512)
-					ro_pool_for(m->pool, f.n_tb * c->kv_heads, ro_attend_group,
-						    &f);
+					ro_pool_for(m->pool, f.n_tb * c->kv_heads,
+						    ro_attend_head_major, &f);
 				else
 #endif
 					ro_pool_for(m->pool, T * c->heads, ro_attend_one, &f);

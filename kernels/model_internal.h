@@ -155,6 +155,8 @@ void ro_qk_rope_store_run(void *arg, uint32_t i);
 void ro_attend_one(void *arg, uint32_t i);
 /* The same with AVX-512 for a (token run, KV head): its tokens' query heads together. */
 void ro_attend_group(void *arg, uint32_t i);
+/* ro_attend_group with task i as (KV head, token run from the last): a prefill's order */
+void ro_attend_head_major(void *arg, uint32_t i);
 /* Both for token run i, when no sequence has two runs in the forward (a decode step). */
 void ro_rope_attend_run(void *arg, uint32_t i);
 
