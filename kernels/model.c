@@ -590,7 +590,7 @@ static float *ws_get(struct ro_model *m, size_t floats)
 		 * old and the new block at once */
 		free(m->ws);
 		m->ws_len = 0;
-		m->ws = malloc(floats * sizeof(float));
+		m->ws = ro_malloc_huge(floats * sizeof(float));
 		if (!m->ws)
 			return NULL;
 		m->ws_len = floats;

@@ -12,7 +12,9 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #include "kernels/internal.h"
 
@@ -195,6 +197,20 @@ static __thread size_t scratch_len;
 static void scratch_key_make(void)
 {
 	scratch_key_ok = pthread_key_create(&scratch_key, free) == 0;
+}
+
+void *ro_malloc_huge(size_t bytes)
+{
+	const uintptr_t H = (uintptr_t)2 << 20;
+	char *p = malloc(bytes);
+
+	if (p && bytes >= 2 * H) {
+		const uintptr_t a = ((uintptr_t)p + H - 1) / H * H, b = ((uintptr_t)p + bytes) / H * H;
+
+		if (b > a)
+			(void)madvise((void *)a, b - a, MADV_HUGEPAGE); /* a hint */
+	}
+	return p;
 }
 
 void *ro_thread_scratch(size_t bytes)

@@ -701,7 +701,9 @@ INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 			panels512(W, wp, a, n, x, t, y, r0, r1, 4, 2, dt);
 			break;
 		case 1:
-			panels512(W, wp, a, n, x, t, y, r0, r1, 4, 1, dt);
+			/* 8 streams, as BF16 runs one token: all 16 layers' experts for one
+			 * token (top-8) 3.18 -> 2.80 ms, in-process A/B */
+			panels512(W, wp, a, n, x, t, y, r0, r1, 8, 1, dt);
 			break;
 		}
 		return;

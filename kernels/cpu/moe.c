@@ -241,7 +241,7 @@ int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 	if (n * F * 2 > m->ews_len) {
 		free(m->ews); /* scratch: nothing to keep, and no old and new block at once */
 		m->ews_len = 0;
-		m->ews = malloc(n * F * 2 * sizeof(float));
+		m->ews = ro_malloc_huge(n * F * 2 * sizeof(float));
 		if (!m->ews)
 			return -ENOMEM;
 		m->ews_len = n * F * 2;
