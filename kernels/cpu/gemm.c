@@ -528,6 +528,20 @@ static AVX512 void gemm_avx512(const struct ro_mat *W, const float *const *x, ui
  * not own) packed into panels a group at a time first, so the bits do not depend on where
  * the weights live. */
 
+/* The panels of the group that comes next (pf_bytes of them), asked into L2 while the
+ * current group runs its second pass over the tokens (or its only one, under 12 tokens):
+ * the next group's first pass then finds them there instead of waiting on DRAM. The
+ * expert layer alone (16 layers, in-process A/B, best of 6-8): 128 tokens 81.9 -> 79.7
+ * ms, 256 153.1 -> 148.0, 32 36.0-37.3 -> 35.3-36.7, 512 unchanged. */
+static __thread const uint8_t *pf_next;
+static __thread size_t pf_bytes;
+static __thread const struct ro_mat *pf_after; /* ro_gemm_then's */
+
+void ro_gemm_then(const struct ro_mat *W)
+{
+	pf_after = W;
+}
+
 #define PANEL_G 12 /* panels per group: 192 rows, 384 KiB of 1,024 inputs, stay in L2 */
 #define PF_AHEAD512 8192 /* bytes prefetched ahead, over all of a block's panels */
 
@@ -547,7 +561,8 @@ INLINE AVX512 __m512 f8x16(__m512i t, __m512 s120)
  * outside [r0, r1) are computed and not stored. */
 INLINE AVX512 void pblock(const struct ro_mat *W, const uint8_t *wp, uint32_t a,
 			  const float *const *x, uint32_t t, float *const *y, uint32_t r0,
-			  uint32_t r1, const int R, const int TT, const enum ro_dtype dt)
+			  uint32_t r1, const int R, const int TT, const enum ro_dtype dt,
+			  const uint8_t *pf, size_t pfo)
 {
 	const uint32_t K = W->cols;
 	const size_t ps = (size_t)16 * K * (dt == RO_F8E4M3 ? 1 : 2);
@@ -617,6 +632,9 @@ INLINE AVX512 void pblock(const struct ro_mat *W, const uint8_t *wp, uint32_t a,
 				 * 5% faster at 32 tokens on a 64-expert layer; 16 KiB loses 5%) */
 				_mm_prefetch((const char *)(wr[i] + k / 2) + PF_AHEAD512 / R,
 					     _MM_HINT_T0);
+				if (pf && pfo + (size_t)i * ps + k / 2 * 64 < pf_bytes)
+					_mm_prefetch((const char *)pf + pfo + (size_t)i * ps + k / 2 * 64,
+						     _MM_HINT_T1);
 				we[i] = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
 				wo[i] = _mm512_castsi512_ps(_mm512_and_si512(d, hi));
 			}
@@ -657,14 +675,15 @@ INLINE AVX512 void panels512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 			     uint32_t r1, const int R, const int TT, const enum ro_dtype dt)
 {
 	const size_t ps = (size_t)16 * W->cols * (dt == RO_F8E4M3 ? 1 : 2);
+	const uint8_t *nx = pf_next;
 	uint32_t p = 0;
 
 	for (; p + R <= n; p += R)
-		pblock(W, wp + p * ps, a + p * 16, x, t, y, r0, r1, R, TT, dt);
+		pblock(W, wp + p * ps, a + p * 16, x, t, y, r0, r1, R, TT, dt, nx, p * ps);
 	for (; p + 2 <= n; p += 2)
-		pblock(W, wp + p * ps, a + p * 16, x, t, y, r0, r1, 2, TT, dt);
+		pblock(W, wp + p * ps, a + p * 16, x, t, y, r0, r1, 2, TT, dt, nx, p * ps);
 	for (; p < n; p++)
-		pblock(W, wp + p * ps, a + p * 16, x, t, y, r0, r1, 1, TT, dt);
+		pblock(W, wp + p * ps, a + p * 16, x, t, y, r0, r1, 1, TT, dt, nx, p * ps);
 }
 
 /* Tokens [0, T) over n panels: the block shapes. BF16: 2 x 12 for the bulk (24
@@ -714,8 +733,13 @@ INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 		 * batch 128 (~16 rows an expert) 79.9 -> 74.7 ms, 322 -> 345 GFLOP/s */
 		const uint32_t passes = (T + 11) / 12;
 
+		const uint8_t *nx = pf_next;
+
+		pf_next = NULL;
 		for (uint32_t p = 0; p < passes; p++) {
 			const uint32_t m = (T - t) / (passes - p);
+
+			pf_next = p == 1 ? nx : NULL; /* the second pass asks for them */
 
 			switch (m) {
 			case 12:
@@ -742,6 +766,7 @@ INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 			}
 			t += m;
 		}
+		pf_next = NULL;
 		return;
 	}
 	if (T - t >= 8) {
@@ -877,10 +902,25 @@ static AVX512 void gemm_panel512(const struct ro_mat *W, const float *const *x, 
 				pack_panel(W, pb + i, f8 ? 1 : 2, buf + i * ps);
 			wp = buf;
 		}
+		/* the next group's panels (the next matrix's first, after the last) asked for
+		 * during this group's second pass over the tokens */
+		pf_next = NULL;
+		if (!buf && pb + G < p1) {
+			pf_next = (const uint8_t *)W->w + (pb + G) * ps;
+			pf_bytes = (pb + 2 * G < p1 ? G : p1 - pb - G) * ps;
+		} else if (!buf && pf_after && pf_after->panel) {
+			const struct ro_mat *A = pf_after;
+			const size_t aps = (size_t)16 * A->cols * (A->dtype == RO_F8E4M3 ? 1 : 2);
+			const uint32_t ap = (A->rows + 15) / 16;
+
+			pf_next = A->w;
+			pf_bytes = (ap < G ? ap : G) * aps;
+		}
 		if (f8)
 			tokens512(W, wp, pb * 16, n, x, T, y, r0, r1, RO_F8E4M3);
 		else
 			tokens512(W, wp, pb * 16, n, x, T, y, r0, r1, RO_BF16);
+		pf_next = NULL;
 	}
 }
 #endif
@@ -970,7 +1010,11 @@ void ro_gemm_ptrs2(const struct ro_mat *W1, const struct ro_mat *W2, const float
 	if (kern_get() == 3 && ro_amx_fits(W1) && ro_amx_fits(W2) && W1->cols == W2->cols &&
 	    W1->rows == W2->rows && !ro_gemm_amx2(W1, W2, x, T, y1, y2, r0, r1))
 		return;
+	const struct ro_mat *after = pf_after;
+
+	pf_after = W2;
 	ro_gemm_ptrs(W1, x, T, y1, r0, r1);
+	pf_after = after;
 	ro_gemm_ptrs(W2, x, T, y2, r0, r1);
 }
 

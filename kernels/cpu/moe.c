@@ -179,7 +179,9 @@ static void expert_task(void *arg, uint32_t i)
 {
 	const struct moe_task *k = arg;
 
+	ro_gemm_then(&k->L->down[k->act[i]]);
 	gate_up_rows(k, k->act[i], 0, k->F);
+	ro_gemm_then(NULL);
 	down_rows(k, k->act[i], 0, k->H);
 }
 
