@@ -159,6 +159,7 @@ struct ro_agent {
 	bool exiting;
 	bool hard_exit; /* the hard deadline ended the drain */
 	bool redis_was_up;
+	bool redis_fatal_said; /* this outage's permanent cause (credentials, TLS) logged */
 	uint64_t published_since_backlog; /* samples published since the lag was asked */
 	int64_t next_claim_ms, defer_until_ms, next_renew_ms, next_backlog_ms, next_status_ms,
 	    next_metrics_ms, next_extend_ms, last_redis_ok_ms;

@@ -268,7 +268,11 @@ static int on_tick(sd_event_source *s, uint64_t usec, void *userdata)
 	if (!a->held_done)
 		ro_units_held(a);
 	{
-		/* say it once when Redis goes away and once when it is back */
+		/* say it once when Redis goes away and once when it is back; and once more
+		 * during an outage when its cause turns out to be one no retry fixes (a
+		 * rotated password, a revoked ACL): a connection killed by the server is
+		 * said first, and the refused AUTH of its reconnect comes after the tick
+		 * that said it, so without this line the cause would never be said */
 		bool up = ro_queue_connected(a->q);
 
 		if (up != a->redis_was_up && (up || ro_queue_pending(a->q))) {
@@ -279,6 +283,13 @@ static int on_tick(sd_event_source *s, uint64_t usec, void *userdata)
 				       "redis: unreachable (%s); operations wait for it",
 				       ro_queue_conn_errmsg(a->q));
 			a->redis_was_up = up;
+			a->redis_fatal_said = !up && ro_queue_fatal(a->q);
+		} else if (!up && !a->redis_was_up && !a->redis_fatal_said &&
+			   ro_queue_fatal(a->q)) {
+			ro_log(LOG_WARNING,
+			       "redis: still unreachable: %s; retried about once a second",
+			       ro_queue_conn_errmsg(a->q));
+			a->redis_fatal_said = true;
 		}
 	}
 	if (now >= a->next_renew_ms) {

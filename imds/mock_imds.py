@@ -58,6 +58,7 @@ class State:
         self.max_ttl = 21600
         self.tokens = {}  # token -> expiry (monotonic)
         self.counts = {"put": 0, "get": 0, "401": 0, "control": 0, "iam": 0}
+        self.paths = {}  # GETs by path, as received (a client's retries included)
         self.identity = {
             "instance-id": a.instance_id,
             "instance-type": a.instance_type,
@@ -111,6 +112,7 @@ class State:
         f = self.fault
         return {
             "counts": dict(self.counts),
+            "paths": dict(self.paths),
             "tokens": len(self.tokens),
             "imdsv2_only": self.imdsv2_only,
             "spot": None if not self.spot else {
@@ -242,6 +244,7 @@ class Handler(BaseHTTPRequestHandler):
                 return self.send(200, json.dumps(st.snapshot()) + "\n", "application/json")
         with st.lock:
             st.counts["get"] += 1
+            st.paths[u.path] = st.paths.get(u.path, 0) + 1
         f = self.active_fault(u.path)
         if f and self.apply_transport_fault(f):
             return

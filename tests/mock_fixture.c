@@ -221,6 +221,15 @@ long ro_test_mock_count(const struct ro_test_mock *mk, const char *name)
 	return n;
 }
 
+long ro_test_mock_path_count(const struct ro_test_mock *mk, const char *path)
+{
+	struct json_object *v = state_get(mk, "paths", path);
+	long n = v ? (long)json_object_get_int64(v) : 0; /* never asked: not in the map */
+
+	json_object_put(v);
+	return n;
+}
+
 double ro_test_mock_number(const struct ro_test_mock *mk, const char *a, const char *b)
 {
 	struct json_object *v = state_get(mk, a, b);

@@ -21,5 +21,7 @@ void ro_test_mock_stop(struct ro_test_mock *mk);
 char *ro_test_mock_ctl(const struct ro_test_mock *mk, const char *what);
 /* A counter of GET /_mock/state ("put", "get", "401", "control"); -1 on failure. */
 long ro_test_mock_count(const struct ro_test_mock *mk, const char *name);
+/* GETs of one path ("/latest/meta-data/..."), retries included; 0 if never asked. */
+long ro_test_mock_path_count(const struct ro_test_mock *mk, const char *path);
 /* A number of the state ("spot.appear_epoch"); NAN on failure. */
 double ro_test_mock_number(const struct ro_test_mock *mk, const char *a, const char *b);

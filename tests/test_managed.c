@@ -318,6 +318,35 @@ static int log_count(const struct ro_test_agent *ag, const char *what)
 	return n;
 }
 
+/* Waits (bounded) until Redis has refused n AUTHs of the user "worker" since its ACL LOG
+ * was last reset (ACL LOG folds repeats of one refusal into an entry's count). */
+static bool wait_auth_refused(const struct ro_test_redis *r, long n, long ms)
+{
+	char out[16384];
+
+	for (int64_t end = ro_test_mono_ms() + ms; ro_test_mono_ms() < end;) {
+		long seen = 0;
+
+		if (ro_test_redis_cli(r, out, sizeof(out), "ACL", "LOG", NULL) == 0)
+			/* entries one after another, each from its "count" line to the next */
+			for (char *p = strstr(out, "count\n"); p;) {
+				char *next = strstr(p + 1, "count\n");
+
+				if (next)
+					*next = '\0';
+				if (strstr(p, "\nreason\nauth\n") && strstr(p, "\nusername\nworker\n"))
+					seen += strtol(p + 6, NULL, 10);
+				if (next)
+					*next = 'c';
+				p = next;
+			}
+		if (seen >= n)
+			return true;
+		ro_test_msleep(100);
+	}
+	return false;
+}
+
 static void stop_agent(struct ro_test_agent *ag)
 {
 	ro_test_agent_term(ag);
@@ -470,14 +499,17 @@ Test(managed, acl_users)
 			     0, "%s", out);
 	}
 	/* the credentials change under a running worker: said once, not ready, retried; back
-	 * once the password is right again */
+	 * once the password is right again. The retries are counted where Redis refuses
+	 * them (ACL LOG, emptied first: the refusals above are in it). */
+	cr_expect_eq(ro_test_redis_cli(&r, out, sizeof(out), "ACL", "LOG", "RESET", NULL), 0, "%s",
+		     out);
 	cr_expect_eq(ro_test_redis_cli(&r, out, sizeof(out), "ACL", "SETUSER", "worker", "resetpass",
 				       ">rotated", NULL),
 		     0, "%s", out);
 	cr_expect_eq(ro_test_redis_cli(&r, out, sizeof(out), "CLIENT", "KILL", "USER", "worker", NULL),
 		     0, "%s", out);
 	cr_expect(wait_ready(&a, false, 20000), "not ready with the wrong password");
-	ro_test_msleep(1500); /* a few retries (backoff up to 1 s) */
+	cr_expect(wait_auth_refused(&r, 3, 30000), "the worker's AUTH refused three times");
 	if (log_count(&a, "WRONGPASS") != 1)
 		ro_test_agent_dump_log(&a);
 	cr_expect_eq(log_count(&a, "WRONGPASS"), 1, "said once, not %d times",
