@@ -166,10 +166,10 @@ int ro_gemm_amx(const struct ro_mat *W, const float *const *x, uint32_t T, float
  * prepared once; -1 as ro_gemm_amx. */
 int ro_gemm_amx2(const struct ro_mat *W1, const struct ro_mat *W2, const float *const *x,
 		 uint32_t T, float *const *y1, float *const *y2, uint32_t r0, uint32_t r1);
-/* ro_gemm_ptrs for W1 into y1 and W2 into y2 (same shape, same inputs): bitwise the two
- * calls, with the inputs prepared once where the kernel prepares them. */
 /* The matrix this thread runs next (NULL: none known): the panel kernel asks for its first
  * panels while it runs the last of the current one's (ro_gemm_ptrs2 chains its two). */
 void ro_gemm_then(const struct ro_mat *W);
+/* ro_gemm_ptrs for W1 into y1 and W2 into y2 (same shape, same inputs): bitwise the two
+ * calls, with the inputs prepared once where the kernel prepares them. */
 void ro_gemm_ptrs2(const struct ro_mat *W1, const struct ro_mat *W2, const float *const *x,
 		   uint32_t T, float *const *y1, float *const *y2, uint32_t r0, uint32_t r1);

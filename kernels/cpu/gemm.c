@@ -155,6 +155,15 @@ static void gemm_scalar(const struct ro_mat *W, const float *const *x, uint32_t 
 			dot_scalar(W, r, x[t], &y[t][r]);
 }
 
+/* the matrix this thread runs next (ro_gemm_then): the AVX-512 panels ask for its first
+ * group while they run the current one's last */
+static __thread const struct ro_mat *pf_after;
+
+void ro_gemm_then(const struct ro_mat *W)
+{
+	pf_after = W;
+}
+
 /* ---- AVX2 + FMA ------------------------------------------------------------------------ */
 
 #if HAVE_X86
@@ -537,11 +546,18 @@ static AVX512 void gemm_avx512(const struct ro_mat *W, const float *const *x, ui
  * 256 unchanged. */
 static __thread const uint8_t *pf_next;
 static __thread size_t pf_bytes;
-static __thread const struct ro_mat *pf_after; /* ro_gemm_then's */
 
-void ro_gemm_then(const struct ro_mat *W)
+/* byte o of the next group's panels asked for into L2, if it has that many */
+static inline void pf_ask(const uint8_t *pf, size_t o)
 {
-	pf_after = W;
+	if (pf && o < pf_bytes)
+		_mm_prefetch((const char *)pf + o, _MM_HINT_T1);
+}
+
+/* a panel's bytes: 16 rows of W */
+static size_t panel_bytes(const struct ro_mat *W)
+{
+	return (size_t)16 * W->cols * (W->dtype == RO_F8E4M3 ? 1 : 2);
 }
 
 #define PANEL_G 12 /* panels per group: 192 rows, 384 KiB of 1,024 inputs, stay in L2 */
@@ -601,9 +617,7 @@ INLINE AVX512 void pblock(const struct ro_mat *W, const uint8_t *wp, uint32_t a,
 			for (int i = 0; i < R; i++) {
 				d[i] = _mm512_loadu_si512(wr[i] + k / 4);
 				_mm_prefetch((const char *)(wr[i] + k / 4) + 1024, _MM_HINT_T0);
-				if (pf && pfo + (size_t)i * ps + k / 4 * 64 < pf_bytes)
-					_mm_prefetch((const char *)pf + pfo + (size_t)i * ps + k / 4 * 64,
-						     _MM_HINT_T1);
+				pf_ask(pf, pfo + (size_t)i * ps + k / 4 * 64);
 			}
 #pragma GCC unroll 4
 			for (int bb = 0; bb < 4; bb++) {
@@ -637,9 +651,7 @@ INLINE AVX512 void pblock(const struct ro_mat *W, const uint8_t *wp, uint32_t a,
 				 * 5% faster at 32 tokens on a 64-expert layer; 16 KiB loses 5%) */
 				_mm_prefetch((const char *)(wr[i] + k / 2) + PF_AHEAD512 / R,
 					     _MM_HINT_T0);
-				if (pf && pfo + (size_t)i * ps + k / 2 * 64 < pf_bytes)
-					_mm_prefetch((const char *)pf + pfo + (size_t)i * ps + k / 2 * 64,
-						     _MM_HINT_T1);
+				pf_ask(pf, pfo + (size_t)i * ps + k / 2 * 64);
 				we[i] = _mm512_castsi512_ps(_mm512_slli_epi32(d, 16));
 				wo[i] = _mm512_castsi512_ps(_mm512_and_si512(d, hi));
 			}
@@ -736,7 +748,6 @@ INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 			panels512(W, wp, a, n, x, t, y, r0, r1, 8, 1, dt);
 			break;
 		}
-		pf_next = NULL;
 		return;
 	}
 	if (T >= 12) {
@@ -747,7 +758,6 @@ INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 
 		const uint8_t *nx = pf_next;
 
-		pf_next = NULL;
 		for (uint32_t p = 0; p < passes; p++) {
 			const uint32_t m = (T - t) / (passes - p);
 
@@ -778,7 +788,6 @@ INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 			}
 			t += m;
 		}
-		pf_next = NULL;
 		return;
 	}
 	if (T - t >= 8) {
@@ -879,7 +888,7 @@ static AVX512 void gemm_panel512(const struct ro_mat *W, const float *const *x, 
 				 float *const *y, uint32_t r0, uint32_t r1)
 {
 	const bool f8 = W->dtype == RO_F8E4M3;
-	const size_t ps = (size_t)16 * W->cols * (f8 ? 1 : 2);
+	const size_t ps = panel_bytes(W);
 	const uint32_t p0 = r0 / 16, p1 = (r1 + 15) / 16;
 	uint32_t G = PANEL_G;
 	uint8_t *buf = NULL;
@@ -915,18 +924,16 @@ static AVX512 void gemm_panel512(const struct ro_mat *W, const float *const *x, 
 			wp = buf;
 		}
 		/* the next group's panels (the next matrix's first, after the last) asked for
-		 * during this group's second pass over the tokens */
-		pf_next = NULL;
+		 * during this group's second pass over the tokens (tokens512 picks the pass;
+		 * pf_next is NULL outside this call) */
 		if (!buf && pb + G < p1) {
 			pf_next = (const uint8_t *)W->w + (pb + G) * ps;
 			pf_bytes = (pb + 2 * G < p1 ? G : p1 - pb - G) * ps;
 		} else if (!buf && pf_after && pf_after->panel) {
-			const struct ro_mat *A = pf_after;
-			const size_t aps = (size_t)16 * A->cols * (A->dtype == RO_F8E4M3 ? 1 : 2);
-			const uint32_t ap = (A->rows + 15) / 16;
+			const uint32_t ap = (pf_after->rows + 15) / 16;
 
-			pf_next = A->w;
-			pf_bytes = (ap < G ? ap : G) * aps;
+			pf_next = pf_after->w;
+			pf_bytes = (ap < G ? ap : G) * panel_bytes(pf_after);
 		}
 		if (f8)
 			tokens512(W, wp, pb * 16, n, x, T, y, r0, r1, RO_F8E4M3);
