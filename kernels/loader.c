@@ -905,8 +905,7 @@ static int pin_weights(struct ro_model *m, const struct ro_model_opts *o, const 
 	struct pin_job j = {.st = m->st};
 	uint64_t total = 0;
 	size_t len;
-	uint8_t *raw;
-	int r;
+	int r, madv_err;
 
 	if (!thp_enabled(m->pin_why, sizeof(m->pin_why)))
 		return 0;
@@ -920,21 +919,15 @@ static int pin_weights(struct ro_model *m, const struct ro_model_opts *o, const 
 		total += pin_size(j.mat[i]);
 	}
 	len = (size_t)((total + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
-	/* one huge page more, to start the region on a 2 MiB boundary */
-	raw = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-		   -1, 0);
-	if (raw == MAP_FAILED) {
+	j.base = ro_map_huge(len, 0, &madv_err);
+	if (!j.base) {
 		(void)snprintf(m->pin_why, sizeof(m->pin_why), "no region of %zu bytes: %s", len,
 			       strerror(errno));
 		goto out;
 	}
-	j.base = (uint8_t *)(((uintptr_t)raw + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
-	if (j.base > raw)
-		(void)munmap(raw, (size_t)(j.base - raw));
-	(void)munmap(j.base + len, (size_t)(raw + HUGE_PAGE - j.base));
-	if (madvise(j.base, len, MADV_HUGEPAGE))
+	if (madv_err)
 		(void)snprintf(m->pin_why, sizeof(m->pin_why), "madvise(MADV_HUGEPAGE): %s",
-			       strerror(errno)); /* still one contiguous copy: kept */
+			       strerror(madv_err)); /* still one contiguous copy: kept */
 	ro_pool_for(m->pool, (uint32_t)j.n, pin_copy, &j);
 	for (size_t i = 0; i < j.n; i++) {
 		struct ro_mat *w = j.mat[i];

@@ -90,21 +90,10 @@ static float *blk_new(struct ro_model *m)
 	char *p;
 
 	if (map) {
-		/* the head's page, the data, and BLK_HUGE to align it; the ends given back */
-		const size_t all = BLK_PAGE + map + BLK_HUGE;
-		char *q = mmap(NULL, all, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-			       -1, 0);
-		size_t lead;
-
-		if (q == MAP_FAILED)
+		/* the head in the page below the data (a hint: 4 KiB pages without THP) */
+		p = ro_map_huge(map, BLK_PAGE, NULL);
+		if (!p)
 			return NULL;
-		p = q + BLK_PAGE;
-		p += (BLK_HUGE - (uintptr_t)p % BLK_HUGE) % BLK_HUGE;
-		lead = (size_t)(p - BLK_PAGE - q);
-		if (lead)
-			(void)munmap(q, lead);
-		(void)munmap(p + map, all - lead - BLK_PAGE - map);
-		(void)madvise(p, map, MADV_HUGEPAGE); /* a hint: 4 KiB pages without THP */
 	} else {
 		char *q = aligned_alloc(BLK_HEAD, BLK_HEAD + blk_bytes(m));
 

@@ -199,6 +199,26 @@ static void scratch_key_make(void)
 	scratch_key_ok = pthread_key_create(&scratch_key, free) == 0;
 }
 
+void *ro_map_huge(size_t len, size_t before, int *madv_err)
+{
+	const size_t H = (size_t)2 << 20, all = before + len + H;
+	char *raw = mmap(NULL, all, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	char *p;
+	int e;
+
+	if (raw == MAP_FAILED)
+		return NULL;
+	/* H more than asked: the start on a 2 MiB boundary, the ends given back */
+	p = (char *)(((uintptr_t)raw + before + H - 1) & ~(uintptr_t)(H - 1));
+	if (p - before > raw)
+		(void)munmap(raw, (size_t)(p - before - raw));
+	(void)munmap(p + len, (size_t)(raw + all - (p + len)));
+	e = madvise(p, len, MADV_HUGEPAGE) ? errno : 0;
+	if (madv_err)
+		*madv_err = e;
+	return p;
+}
+
 void *ro_malloc_huge(size_t bytes)
 {
 	const uintptr_t H = (uintptr_t)2 << 20;
