@@ -718,32 +718,35 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 					out_tok[o++] = t;
 			}
 		}
-		/* the K/V stores' runs: consecutive positions of one sequence in one line of
-		 * K^T (16 positions), so that no two threads write one line. A store task a
-		 * token, with a prefill's neighbours on the other thread, bounced each of the
-		 * token's 256 K^T lines between the cores: 45 of a 512-token prefill's 250 ms of
-		 * attention (16 layers), against ~2 for the norms and RoPE. */
+		/* Runs of consecutive positions of one sequence, two ways. The K/V stores' (sb):
+		 * within one line of K^T (16 positions), so that no two threads write one line (a
+		 * store task a token, with a prefill's neighbours on the other thread, bounced
+		 * each of the token's 256 K^T lines between the cores: 45 of a 512-token
+		 * prefill's 250 ms of attention, against ~2 for the norms and RoPE). Attention's
+		 * (tb, AVX-512): as many tokens as make 16 query rows of a KV group (one when a
+		 * group has more). */
 		f.tb = malloc(((size_t)T + 1) * 2 * sizeof(*f.tb));
 		if (!f.tb) {
 			r = -ENOMEM;
 			goto out;
 		}
 		f.sb = f.tb + T + 1;
-		for (t = 0; t < T; t++)
-			if (!t || f.seq[t] != f.seq[t - 1] || f.pos[t] != f.pos[t - 1] + 1 ||
-			    f.pos[t] % 16 == 0)
-				f.sb[f.n_sb++] = t;
-		f.sb[f.n_sb] = T;
-		if (f.avx512) {
-			/* attention's token runs: consecutive positions of one sequence, as many
-			 * tokens as make 16 query rows of a KV group (one when a group has more) */
+		{
 			const uint32_t G = c->heads / c->kv_heads, per = G < 16 ? 16 / G : 1;
 
-			for (t = 0; t < T; t++)
-				if (!t || f.seq[t] != f.seq[t - 1] || f.pos[t] != f.pos[t - 1] + 1 ||
-				    t - f.tb[f.n_tb - 1] == per)
+			for (t = 0; t < T; t++) {
+				const bool cut = !t || f.seq[t] != f.seq[t - 1] ||
+						 f.pos[t] != f.pos[t - 1] + 1;
+
+				if (cut || f.pos[t] % 16 == 0)
+					f.sb[f.n_sb++] = t;
+				if (f.avx512 && (cut || t - f.tb[f.n_tb - 1] == per))
 					f.tb[f.n_tb++] = t;
+			}
+			f.sb[f.n_sb] = T;
 			f.tb[f.n_tb] = T;
+		}
+		if (f.avx512) {
 			/* a decode step (no sequence in two runs, so no run reads K/V that another
 			 * task stores): each task stores a run's K and V and attends it at once; a
 			 * batch of fewer runs keeps the KV heads apart (a task each) so that every
