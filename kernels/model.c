@@ -723,8 +723,9 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 		 * store task a token, with a prefill's neighbours on the other thread, bounced
 		 * each of the token's 256 K^T lines between the cores: 45 of a 512-token
 		 * prefill's 250 ms of attention, against ~2 for the norms and RoPE). Attention's
-		 * (tb, AVX-512): as many tokens as make 16 query rows of a KV group (one when a
-		 * group has more). */
+		 * (tb, AVX-512): as many tokens as make RO_ATT_ROWS query rows of a KV group (one
+		 * when a group has more), fewer (down to 16 rows) where the batch would
+		 * otherwise give a thread less than 4 tasks. */
 		f.tb = malloc(((size_t)T + 1) * 2 * sizeof(*f.tb));
 		if (!f.tb) {
 			r = -ENOMEM;
@@ -732,7 +733,13 @@ int ro_model_forward(struct ro_model *m, struct ro_fwd_item *items, size_t count
 		}
 		f.sb = f.tb + T + 1;
 		{
-			const uint32_t G = c->heads / c->kv_heads, per = G < 16 ? 16 / G : 1;
+			const uint32_t G = c->heads / c->kv_heads,
+				       least = G < 16 ? 16 / G : 1,
+				       want = 4 * ro_pool_size(m->pool);
+			uint32_t per = G < RO_ATT_ROWS ? RO_ATT_ROWS / G : 1;
+
+			while (per / 2 >= least && (uint64_t)T * c->kv_heads < (uint64_t)want * per)
+				per /= 2;
 
 			for (t = 0; t < T; t++) {
 				const bool cut = !t || f.seq[t] != f.seq[t - 1] ||

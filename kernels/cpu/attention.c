@@ -217,7 +217,7 @@ static inline AVX512 float hsum16(__m512 v)
 	return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
-#define AROWS 16 /* query rows of one task: a token run's heads of one KV group */
+#define AROWS RO_ATT_ROWS /* query rows of one task: a token run's heads of one KV group */
 
 /* One query row of a task: its query, its output, the keys it sees [lo, hi), its running
  * max and sum, and the scores of the current tile by the tile's block column. */
