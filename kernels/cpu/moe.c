@@ -74,7 +74,9 @@ int ro_model_expert(struct ro_model *m, uint32_t layer, uint32_t e, const float 
 }
 
 /* Route each token: softmax over the router's logits, top-k (ties to the lower index),
- * renormalized when configured, then sorted by expert index for the combine. */
+ * renormalized when configured, then sorted by expert index for the combine. Renormalized,
+ * the softmax's sum over all experts cancels, w_j = e^(l_j - max) / (the top-k's sum): 16
+ * exp() calls a token at top-8 of 64, not 64. */
 void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids, float *w)
 {
 	const uint32_t E = c->experts, K = c->top_k;
@@ -84,8 +86,9 @@ void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids
 	for (uint32_t e = 0; e < E; e++)
 		if (logits[e] > mx)
 			mx = logits[e];
-	for (uint32_t e = 0; e < E; e++)
-		sum += exp((double)logits[e] - mx);
+	if (!c->norm_topk)
+		for (uint32_t e = 0; e < E; e++)
+			sum += exp((double)logits[e] - mx);
 	/* the experts taken so far, a bit each (the loader bounds E); a scan of ids[0..j) for
 	 * every expert was 1.7 us a token at top-8 of 64, this 1.0 (the same picks) */
 	uint64_t taken[(RO_MAX_EXPERTS + 63) / 64] = {0};
@@ -99,12 +102,14 @@ void ro_route(const struct ro_model_config *c, const float *logits, int32_t *ids
 				best = (int32_t)e;
 		taken[best / 64] |= 1ull << (best % 64);
 		ids[j] = best;
-		w[j] = (float)(exp((double)logits[best] - mx) / sum);
-		ksum += w[j];
+		if (c->norm_topk)
+			ksum += exp((double)logits[best] - mx);
+		else
+			w[j] = (float)(exp((double)logits[best] - mx) / sum);
 	}
-	if (c->norm_topk)
+	if (c->norm_topk) /* (each exp again: 16 calls where a buffer would need top_k's bound) */
 		for (uint32_t j = 0; j < K; j++)
-			w[j] = (float)(w[j] / ksum);
+			w[j] = (float)(exp((double)logits[ids[j]] - mx) / ksum);
 	for (uint32_t j = 1; j < K; j++) /* insertion sort by expert id */
 		for (uint32_t i = j; i > 0 && ids[i - 1] > ids[i]; i--) {
 			int32_t ti = ids[i];
