@@ -703,6 +703,28 @@ INLINE AVX512 void panels512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 		pblock(W, wp + p * ps, a + p * 16, x, t, y, r0, r1, 1, TT, dt, nx, p * ps);
 }
 
+/* An FP8 tail of 1-7 tokens, each shape a function of its own: inlined beside every other
+ * shape into gemm_panel512, the same code ran 12-35% slower (its register allocation and
+ * layout shared one giant function; one core, one 256 x 1,024 matrix, in L2 and streamed:
+ * 4 tokens 18.5 -> 14.5 us and 19.2 -> 17.0, 6 tokens 27.9 -> 18.5 and 26.3 -> 22.8). */
+#define F8_TAIL(R, TT)                                                                          \
+	static AVX512 __attribute__((noinline)) void f8_tail_##TT(                              \
+	    const struct ro_mat *W, const uint8_t *wp, uint32_t a, uint32_t n,                  \
+	    const float *const *x, uint32_t t, float *const *y, uint32_t r0, uint32_t r1)       \
+	{                                                                                       \
+		panels512(W, wp, a, n, x, t, y, r0, r1, R, TT, RO_F8E4M3);                      \
+	}
+/* R panels a block for TT tokens: the fastest of 2-8 in that measure; at one token 8
+ * streams (all 16 layers' experts for one token, top-8: 3.18 -> 2.80 ms against 4) */
+F8_TAIL(8, 1)
+F8_TAIL(4, 2)
+F8_TAIL(4, 3)
+F8_TAIL(4, 4)
+F8_TAIL(4, 5)
+F8_TAIL(3, 6)
+F8_TAIL(3, 7)
+#undef F8_TAIL
+
 /* Tokens [0, T) over n panels: the block shapes. BF16: 2 x 12 for the bulk (24
  * accumulators, each load feeds 24 FMAs), past 12 tokens in passes of near-equal size. FP8
  * decodes 4 operations per 16 weights and keeps its block scales and constants in
@@ -724,29 +746,13 @@ INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 		}
 		pf_next = t <= 8 ? nx : NULL;
 		switch (T - t) {
-		case 7:
-			panels512(W, wp, a, n, x, t, y, r0, r1, 2, 7, dt);
-			break;
-		case 6:
-			panels512(W, wp, a, n, x, t, y, r0, r1, 2, 6, dt);
-			break;
-		case 5:
-			panels512(W, wp, a, n, x, t, y, r0, r1, 3, 5, dt);
-			break;
-		case 4:
-			panels512(W, wp, a, n, x, t, y, r0, r1, 3, 4, dt);
-			break;
-		case 3:
-			panels512(W, wp, a, n, x, t, y, r0, r1, 4, 3, dt);
-			break;
-		case 2:
-			panels512(W, wp, a, n, x, t, y, r0, r1, 4, 2, dt);
-			break;
-		case 1:
-			/* 8 streams, as BF16 runs one token: all 16 layers' experts for one
-			 * token (top-8) 3.18 -> 2.80 ms, in-process A/B */
-			panels512(W, wp, a, n, x, t, y, r0, r1, 8, 1, dt);
-			break;
+		case 7: f8_tail_7(W, wp, a, n, x, t, y, r0, r1); break;
+		case 6: f8_tail_6(W, wp, a, n, x, t, y, r0, r1); break;
+		case 5: f8_tail_5(W, wp, a, n, x, t, y, r0, r1); break;
+		case 4: f8_tail_4(W, wp, a, n, x, t, y, r0, r1); break;
+		case 3: f8_tail_3(W, wp, a, n, x, t, y, r0, r1); break;
+		case 2: f8_tail_2(W, wp, a, n, x, t, y, r0, r1); break;
+		case 1: f8_tail_1(W, wp, a, n, x, t, y, r0, r1); break;
 		}
 		return;
 	}
