@@ -959,10 +959,13 @@ static bool panel_cols_fit(const struct ro_mat *W)
 	       (W->dtype == RO_F8E4M3 && W->cols % 4 == 0);
 }
 
+#if HAVE_X86
+/* (x86 only: elsewhere every matrix, in panels or not, runs the portable kernel) */
 static bool panel_runs(const struct ro_mat *W)
 {
 	return W->panel || (kern_get() == 2 && panel_cols_fit(W));
 }
+#endif
 
 bool ro_panel_wanted(const struct ro_mat *W)
 {
