@@ -107,6 +107,7 @@ void *ro_thread_scratch(size_t bytes);
  * huge pages, so that its first touch faults a page per 2 MiB, not per 4 KiB (the first
  * 4,096-token prefill of a process: 77,600-77,800 page faults -> 1,650-1,700) */
 void *ro_malloc_huge(size_t bytes);
+#define RO_HUGE_PAGE ((size_t)2 << 20) /* a transparent huge page (x86-64; arm64 with 4 KiB pages) */
 /* len bytes (whole pages) of anonymous memory from a 2 MiB boundary, `before` bytes (whole
  * pages) mapped just below it, the len advised MADV_HUGEPAGE (*madv_err, if given: 0, or
  * madvise's errno: the memory is there either way). NULL with errno set without the

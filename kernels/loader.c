@@ -783,7 +783,6 @@ static int check_all_used(struct ro_model *m, char *err, size_t errlen)
  * is made read-only. */
 
 #define PIN_ALIGN 64
-#define HUGE_PAGE (2u << 20)
 
 struct pin_job {
 	struct ro_mat **mat;
@@ -918,7 +917,7 @@ static int pin_weights(struct ro_model *m, const struct ro_model_opts *o, const 
 		j.off[i] = total;
 		total += pin_size(j.mat[i]);
 	}
-	len = (size_t)((total + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+	len = (size_t)((total + RO_HUGE_PAGE - 1) / RO_HUGE_PAGE * RO_HUGE_PAGE);
 	j.base = ro_map_huge(len, 0, &madv_err);
 	if (!j.base) {
 		(void)snprintf(m->pin_why, sizeof(m->pin_why), "no region of %zu bytes: %s", len,

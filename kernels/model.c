@@ -59,7 +59,6 @@ int ro_seq_new(struct ro_model *m, uint32_t max_len, struct ro_seq **ret)
  * layer across ~28 pages of 4 KiB, one TLB miss each (a nested walk in a VM); in 2 MiB
  * pages it is one. */
 #define BLK_HEAD 64
-#define BLK_HUGE ((size_t)2 << 20)
 #define BLK_PAGE ((size_t)4096)
 
 static size_t blk_bytes(const struct ro_model *m)
@@ -70,7 +69,7 @@ static size_t blk_bytes(const struct ro_model *m)
 /* what a block takes beyond its data: its head, or the page that holds it */
 static size_t blk_over(const struct ro_model *m)
 {
-	return blk_bytes(m) >= BLK_HUGE / 2 ? BLK_PAGE : BLK_HEAD;
+	return blk_bytes(m) >= RO_HUGE_PAGE / 2 ? BLK_PAGE : BLK_HEAD;
 }
 
 static uint32_t *blk_ref(float *b)

@@ -201,7 +201,7 @@ static void scratch_key_make(void)
 
 void *ro_map_huge(size_t len, size_t before, int *madv_err)
 {
-	const size_t H = (size_t)2 << 20, all = before + len + H;
+	const size_t H = RO_HUGE_PAGE, all = before + len + H;
 	char *raw = mmap(NULL, all, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	char *p;
 	int e;
@@ -221,7 +221,7 @@ void *ro_map_huge(size_t len, size_t before, int *madv_err)
 
 void *ro_malloc_huge(size_t bytes)
 {
-	const uintptr_t H = (uintptr_t)2 << 20;
+	const uintptr_t H = RO_HUGE_PAGE;
 	char *p = malloc(bytes);
 
 	if (p && bytes >= 2 * H) {

@@ -217,8 +217,6 @@ static inline AVX512 float hsum16(__m512 v)
 	return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
-#define AROWS RO_ATT_ROWS /* query rows of one task: a token run's heads of one KV group */
-
 /* One query row of a task: its query, its output, the keys it sees [lo, hi), its running
  * max and sum, and the scores of the current tile by the tile's block column. */
 struct arow {
@@ -346,7 +344,7 @@ static AVX512 void pv_rows(float *const *out, const float *const *p, uint32_t R,
 static AVX512 void attend_rows512(struct arow *rw, uint32_t nr, const struct kv_span *kv,
 				  uint32_t hd, float scale)
 {
-	float sc[AROWS][ATT_TILE] __attribute__((aligned(64)));
+	float sc[RO_ATT_ROWS][ATT_TILE] __attribute__((aligned(64)));
 	uint32_t lo = UINT32_MAX, hi = 0;
 	const uint32_t row = kv->row;
 
@@ -502,12 +500,12 @@ static void attend_task(struct fwd *f, uint32_t run, uint32_t kvh)
 	const uint32_t hd = c->head_dim;
 	const uint32_t G = c->heads / c->kv_heads, t0 = f->tb[run], t1 = f->tb[run + 1];
 	const float scale = (float)(1.0 / sqrt((double)hd));
-	struct arow rw[AROWS];
+	struct arow rw[RO_ATT_ROWS];
 	struct kv_span kv = span_of(f, t0, kvh);
 
-	/* G > AROWS: a token's heads in parts */
-	for (uint32_t g0 = 0; g0 < G; g0 += AROWS) {
-		const uint32_t gn = G - g0 < AROWS ? G - g0 : AROWS;
+	/* G > RO_ATT_ROWS: a token's heads in parts */
+	for (uint32_t g0 = 0; g0 < G; g0 += RO_ATT_ROWS) {
+		const uint32_t gn = G - g0 < RO_ATT_ROWS ? G - g0 : RO_ATT_ROWS;
 		uint32_t nr = 0;
 
 		for (uint32_t t = t0; t < t1; t++) {

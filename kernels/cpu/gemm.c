@@ -554,10 +554,15 @@ static inline void pf_ask(const uint8_t *pf, size_t o)
 		_mm_prefetch((const char *)pf + o, _MM_HINT_T1);
 }
 
-/* a panel's bytes: 16 rows of W */
+/* a panel's bytes: 16 rows of cols inputs, a byte each for FP8, else two (BF16) */
+static inline size_t panel_bytes_of(uint32_t cols, enum ro_dtype dt)
+{
+	return (size_t)16 * cols * (dt == RO_F8E4M3 ? 1 : 2);
+}
+
 static size_t panel_bytes(const struct ro_mat *W)
 {
-	return (size_t)16 * W->cols * (W->dtype == RO_F8E4M3 ? 1 : 2);
+	return panel_bytes_of(W->cols, W->dtype);
 }
 
 #define PANEL_G 12 /* panels per group: 192 rows, 384 KiB of 1,024 inputs, stay in L2 */
@@ -583,7 +588,7 @@ INLINE AVX512 void pblock(const struct ro_mat *W, const uint8_t *wp, uint32_t a,
 			  const uint8_t *pf, size_t pfo)
 {
 	const uint32_t K = W->cols;
-	const size_t ps = (size_t)16 * K * (dt == RO_F8E4M3 ? 1 : 2);
+	const size_t ps = panel_bytes_of(K, dt);
 	const __m512i *wr[8];
 	const float *xr[16], *srow[8];
 	__m512 acc[8][16], sc[8];
@@ -691,7 +696,7 @@ INLINE AVX512 void panels512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 			     const float *const *x, uint32_t t, float *const *y, uint32_t r0,
 			     uint32_t r1, const int R, const int TT, const enum ro_dtype dt)
 {
-	const size_t ps = (size_t)16 * W->cols * (dt == RO_F8E4M3 ? 1 : 2);
+	const size_t ps = panel_bytes_of(W->cols, dt);
 	const uint8_t *nx = pf_next;
 	uint32_t p = 0;
 
