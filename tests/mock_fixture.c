@@ -212,22 +212,24 @@ static struct json_object *state_get(const struct ro_test_mock *mk, const char *
 	return out;
 }
 
-long ro_test_mock_count(const struct ro_test_mock *mk, const char *name)
+/* state a.b as an integer, or none if it is not there */
+static long state_long(const struct ro_test_mock *mk, const char *a, const char *b, long none)
 {
-	struct json_object *v = state_get(mk, "counts", name);
-	long n = v ? (long)json_object_get_int64(v) : -1;
+	struct json_object *v = state_get(mk, a, b);
+	long n = v ? (long)json_object_get_int64(v) : none;
 
 	json_object_put(v);
 	return n;
 }
 
+long ro_test_mock_count(const struct ro_test_mock *mk, const char *name)
+{
+	return state_long(mk, "counts", name, -1);
+}
+
 long ro_test_mock_path_count(const struct ro_test_mock *mk, const char *path)
 {
-	struct json_object *v = state_get(mk, "paths", path);
-	long n = v ? (long)json_object_get_int64(v) : 0; /* never asked: not in the map */
-
-	json_object_put(v);
-	return n;
+	return state_long(mk, "paths", path, 0); /* never asked: not in the map */
 }
 
 double ro_test_mock_number(const struct ro_test_mock *mk, const char *a, const char *b)
