@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -64,21 +65,25 @@ static void *copy_thread(void *p)
 	return NULL;
 }
 
-/* Bytes moved (read + written) per second by memcpy over all threads, best of 5. */
+/* Bytes moved (read + written) per second by memcpy over all threads, best of 5. The
+ * buffers stay for the next call (the machine is measured again beside every row). */
 static double copy_bandwidth(uint32_t threads)
 {
+	static struct bw_arg a[64];
+	static uint32_t have;
 	const size_t per = 256u << 20;
 	pthread_t th[64];
-	struct bw_arg a[64];
 	double best = 0;
 
-	for (uint32_t t = 0; t < threads; t++) {
-		a[t].src = malloc(per / threads);
-		a[t].dst = malloc(per / threads);
-		a[t].len = per / threads;
-		a[t].reps = 2;
-		memset(a[t].src, 1, a[t].len);
-		memset(a[t].dst, 2, a[t].len);
+	for (; have < threads; have++) {
+		a[have].src = malloc(per / threads);
+		a[have].dst = malloc(per / threads);
+		if (!a[have].src || !a[have].dst)
+			return 0;
+		a[have].len = per / threads;
+		a[have].reps = 2;
+		memset(a[have].src, 1, a[have].len);
+		memset(a[have].dst, 2, a[have].len);
 	}
 	for (int rep = 0; rep < 5; rep++) {
 		double t0 = now(), s;
@@ -89,10 +94,6 @@ static double copy_bandwidth(uint32_t threads)
 			pthread_join(th[t], NULL);
 		s = 2.0 * 2 * per / (now() - t0);
 		best = s > best ? s : best;
-	}
-	for (uint32_t t = 0; t < threads; t++) {
-		free(a[t].src);
-		free(a[t].dst);
 	}
 	return best;
 }
@@ -200,21 +201,30 @@ static void *read_thread(void *p)
 #endif
 
 /* Bytes read per second by a plain read stream over all threads, each summing its part of
- * a 1 GiB buffer (past any L3 here: the weights a step streams are 1.8 GB), best of 4. A
- * step only reads its weights; on some machines reading alone moves fewer bytes a second
- * than memcpy's count (this one: 26-30 GB/s against 37-47), so this is the limit a step
- * can reach, where memcpy's is the floor the goals were set against. */
+ * a 1 GiB buffer (past any L3 here: the weights a step streams are 1.8 GB), best of 4. The
+ * buffer is asked for in 2 MiB pages, as rolloutd keeps its weights (in 4 KiB pages the
+ * stream read 26-31 GB/s here; in 2 MiB pages 36-47), and stays for the next call. A step
+ * only reads its weights, so this is the limit a step can reach, where memcpy's count is
+ * the floor the goals were set against. */
 static double read_bandwidth(uint32_t threads)
 {
+	static char *buf;
 	const size_t len = (size_t)1 << 30;
-	char *buf = malloc(len);
 	pthread_t th[64];
 	struct rd_arg a[64];
 	double best = 0;
 
-	if (!buf)
-		return 0;
-	memset(buf, 1, len);
+	if (!buf) {
+		void *p = NULL;
+
+		if (posix_memalign(&p, (size_t)2 << 20, len))
+			return 0;
+		buf = p;
+#if defined(__linux__)
+		(void)madvise(buf, len, MADV_HUGEPAGE); /* a hint: 4 KiB pages if refused */
+#endif
+		memset(buf, 1, len);
+	}
 	for (int rep = 0; rep < 4; rep++) {
 		double t0 = now(), s;
 
@@ -227,7 +237,6 @@ static double read_bandwidth(uint32_t threads)
 		s = (double)len / (now() - t0);
 		best = s > best ? s : best;
 	}
-	free(buf);
 	return best;
 }
 
@@ -328,6 +337,47 @@ static double fma_throughput(uint32_t threads, int lanes)
 	(void)lanes;
 	return 0;
 #endif
+}
+
+/* The machine's rates, measured again beside every row: on the 2-vCPU VM these figures come
+ * from, a read stream measured once a second moved 29-55 GB/s from one second to the next,
+ * so a floor measured once at the start described the machine at the start only. */
+struct machine {
+	double bw, rd, fl; /* memcpy bytes/s, read-stream bytes/s, FMA FLOP/s (the wider) */
+};
+
+static void measure(uint32_t threads, struct machine *mc)
+{
+	double f16 = 0;
+
+	mc->bw = copy_bandwidth(threads);
+	mc->rd = read_bandwidth(threads);
+	mc->fl = fma_throughput(threads, 8);
+#if defined(__x86_64__)
+	__builtin_cpu_init();
+	if (__builtin_cpu_supports("avx512f"))
+		f16 = fma_throughput(threads, 16);
+#endif
+	if (f16 > mc->fl)
+		mc->fl = f16;
+}
+
+/* The floor beside a row: the machine at its best just before and just after it, rate by
+ * rate (the stricter floor of the two). */
+static struct machine around(const struct machine *before, const struct machine *after)
+{
+	return (struct machine){before->bw > after->bw ? before->bw : after->bw,
+				before->rd > after->rd ? before->rd : after->rd,
+				before->fl > after->fl ? before->fl : after->fl};
+}
+
+/* the two measures beside a row, printed under it */
+static void print_machine(const struct machine *before, const struct machine *after)
+{
+	(void)printf("  %-20s memcpy %.1f, %.1f GB/s; read stream %.1f, %.1f; FMA %.0f, %.0f "
+		     "GFLOP/s (before, after)\n",
+		     "machine:", before->bw / 1e9, after->bw / 1e9, before->rd / 1e9,
+		     after->rd / 1e9, before->fl / 1e9, after->fl / 1e9);
 }
 
 /* ---- the model's work --------------------------------------------------------------------- */
@@ -756,6 +806,7 @@ int main(int argc, char **argv)
 	struct shape sh;
 	char err[512];
 	double bw, rd, fl, fl512, amx = 0, t_load;
+	struct machine mc_prev, mc_now, mc;
 	uint64_t total, active;
 	int ch;
 
@@ -864,6 +915,7 @@ int main(int argc, char **argv)
 			     "machine: read stream %.1f GB/s (bytes read, 1 GiB)\n",
 			     bw / 1e9, fl / 1e9, fl512 / 1e9, rd / 1e9);
 		fl = fl512 > fl ? fl512 : fl;
+		mc_prev = (struct machine){bw, rd, fl};
 		/* a bf16 model's linear layers run on AMX where the kernels say so: each
 		 * multiply-add is two bf16 products there (activations as hi + lo) */
 		if (strstr(ro_model_kernels(m), "amx") && !strcmp(c->dtype, "BF16")) {
@@ -930,8 +982,12 @@ int main(int argc, char **argv)
 				char name[32];
 
 				(void)snprintf(name, sizeof(name), "decode, batch %u", B);
-				floor_row(name, B, t, bytes, flops, mm, bw, fl, rd, amx);
+				measure(threads, &mc_now);
+				mc = around(&mc_prev, &mc_now);
+				floor_row(name, B, t, bytes, flops, mm, mc.bw, mc.fl, mc.rd, amx);
 				print_split(&sp, t);
+				print_machine(&mc_prev, &mc_now);
+				mc_prev = mc_now;
 			}
 			for (uint32_t i = 0; i < B; i++)
 				ro_seq_free(seq[i]);
@@ -975,8 +1031,12 @@ int main(int argc, char **argv)
 			char name[32];
 
 			(void)snprintf(name, sizeof(name), "prefill, %u tokens", prefill_len);
-			floor_row(name, prefill_len, best, bytes, flops, mm, bw, fl, rd, amx);
+			measure(threads, &mc_now);
+			mc = around(&mc_prev, &mc_now);
+			floor_row(name, prefill_len, best, bytes, flops, mm, mc.bw, mc.fl, mc.rd,
+				  amx);
 			print_split(&sp, best);
+			print_machine(&mc_prev, &mc_now);
 			free(p);
 			free(logits);
 		}
@@ -986,6 +1046,8 @@ int main(int argc, char **argv)
 		    "bandwidth, FLOPs / FMA "
 		    "throughput); bytes count the weights of the\nexperts the step really ran "
 		    "(all 64 per layer from batch ~32 on), attention, router, head, KV.\n"
+		    "The machine is measured again just before and just after each row (the line "
+		    "under it); its\nfloor takes the better of the two for each rate.\n"
 		    "x machine limit: the same with bytes at the read stream's rate and, where "
 		    "the linear layers run\non AMX, their FLOPs at its rate above: the limit for "
 		    "the kernels that run (the goals were\nset against the floor).\n");
