@@ -203,7 +203,7 @@ static void *read_thread(void *p)
 /* Bytes read per second by a plain read stream over all threads, each summing its part of
  * a 1 GiB buffer (past any L3 here: the weights a step streams are 1.8 GB), best of 4. The
  * buffer is asked for in 2 MiB pages, as rolloutd keeps its weights (in 4 KiB pages the
- * stream read 26-31 GB/s here; in 2 MiB pages 36-47), and stays for the next call. A step
+ * stream read 26-31 GB/s here; in 2 MiB pages 36-41), and stays for the next call. A step
  * only reads its weights, so this is the limit a step can reach, where memcpy's count is
  * the floor the goals were set against. */
 static double read_bandwidth(uint32_t threads)
