@@ -425,18 +425,38 @@ static void shape_of(const struct ro_model_config *c, struct shape *s)
  * tiles, so the floor reads them once (kv_read = tokens: until 2026-12-05 the prefill rows
  * counted ctx_sum, 4.3 of the 5.8 GB at 512 tokens and 275 GB at 4,096, a floor that
  * a tiled kernel beats). */
+/* The step's work by phase, as ro_model_last_split() times them: attention (with its
+ * projections, the norms, the embedding rows and the KV cache), router, experts, head. */
+enum { PH_ATTN, PH_ROUTER, PH_EXPERTS, PH_HEAD, PH_N };
+struct phases {
+	double bytes[PH_N], flops[PH_N];
+};
+
 static void work(const struct shape *s, double tokens, double ctx_sum, double kv_read,
-		 double experts, double rows, double *bytes, double *flops, double *mm_flops)
+		 double experts, double rows, double *bytes, double *flops, double *mm_flops,
+		 struct phases *ph)
 {
-	*bytes = s->layers * (s->attn_bytes + s->router_bytes) + experts * s->expert_bytes +
-		 s->head_bytes + tokens * s->embed_row_bytes +
-		 /* the KV cache read by attention, written for the new tokens */
-		 s->layers * (kv_read + tokens) * s->kv_row * 4.0 * 2;
-	*flops = 2.0 * tokens *
-		     (s->layers * (s->attn_params + s->router_params + s->top_k * s->expert_params)) +
-		 2.0 * rows * s->head_params +
-		 /* scores and the weighted sum of V, per head */
-		 s->layers * 4.0 * ctx_sum * s->head_dim * s->heads;
+	struct phases p = {
+	    .bytes = {s->layers * s->attn_bytes + tokens * s->embed_row_bytes +
+			  /* the KV cache read by attention, written for the new tokens */
+			  s->layers * (kv_read + tokens) * s->kv_row * 4.0 * 2,
+		      s->layers * s->router_bytes, experts * s->expert_bytes, s->head_bytes},
+	    .flops = {2.0 * tokens * s->layers * s->attn_params +
+			  /* scores and the weighted sum of V, per head */
+			  s->layers * 4.0 * ctx_sum * s->head_dim * s->heads,
+		      2.0 * tokens * s->layers * s->router_params,
+		      2.0 * tokens * s->layers * s->top_k * s->expert_params,
+		      2.0 * rows * s->head_params}};
+
+	*bytes = *flops = 0;
+	for (int i = 0; i < PH_N; i++) {
+		*bytes += p.bytes[i];
+		*flops += p.flops[i];
+		if (ph) {
+			ph->bytes[i] += p.bytes[i];
+			ph->flops[i] += p.flops[i];
+		}
+	}
 	/* the linear layers' share (what AMX runs for a bf16 model) */
 	*mm_flops = *flops - s->layers * 4.0 * ctx_sum * s->head_dim * s->heads;
 }
@@ -477,6 +497,34 @@ static void print_split(const struct ro_model_split *sp, double step)
 		     "split:", sp->attention * 1e3, 100 * sp->attention / step, sp->router * 1e3,
 		     100 * sp->router / step, sp->experts * 1e3, 100 * sp->experts / step,
 		     sp->head * 1e3, 100 * sp->head / step, sp->other * 1e3);
+}
+
+/* Each phase beside its own floor, max(its bytes / bw, its FLOPs / fl), and the step beside
+ * the sum of those: the phases run one after another (a layer's experts wait for its
+ * attention, the next layer's attention for them), so where memory-bound and compute-bound
+ * phases alternate the sum is the floor that an engine without overlap between them meets,
+ * above the table's max over the whole step. */
+static void print_phases(const struct ro_model_split *sp, const struct phases *ph, double step,
+			 double bw, double fl)
+{
+	const double t[PH_N] = {sp->attention, sp->router, sp->experts, sp->head};
+	const char *const name[PH_N] = {"attention", "router", "experts", "head"};
+	double f[PH_N], sum = 0;
+	char line[256];
+	int n = 0;
+
+	for (int i = 0; i < PH_N; i++) {
+		const double b = ph->bytes[i] / bw, c = ph->flops[i] / fl;
+
+		f[i] = b > c ? b : c;
+		sum += f[i];
+		n += snprintf(line + n, sizeof(line) - (size_t)n, "%s%s %.2fx (%s)",
+			      i ? ", " : "", name[i], f[i] > 0 ? t[i] / f[i] : 0,
+			      b > c ? "memory" : "compute");
+	}
+	(void)printf("  %-20s %s of its floor; the phases' floors summed %.2f ms: the step is "
+		     "%.2fx that\n",
+		     "by phase:", line, sum * 1e3, step / sum);
 }
 
 /* ---- decode under a chunked prefill ------------------------------------------------------ */
@@ -936,6 +984,7 @@ int main(int argc, char **argv)
 			float *logits = malloc((size_t)B * V * sizeof(float));
 			double t = 0, bytes = 0, flops = 0, mm = 0, b1, f1, m1;
 			struct ro_model_split sp = {0}, s1;
+			struct phases ph = {0};
 			uint32_t ctx;
 
 			for (uint32_t i = 0; i < B; i++) {
@@ -969,7 +1018,7 @@ int main(int argc, char **argv)
 				ro_model_last_split(m, &s1);
 				split_add(&sp, &s1, 1.0 / steps);
 				work(&sh, B, (double)B * (ctx + 1), (double)B * (ctx + 1),
-				     ro_model_last_experts(m), B, &b1, &f1, &m1);
+				     ro_model_last_experts(m), B, &b1, &f1, &m1, &ph);
 				bytes += b1;
 				flops += f1;
 				mm += m1;
@@ -977,6 +1026,10 @@ int main(int argc, char **argv)
 			bytes /= steps;
 			flops /= steps;
 			mm /= steps;
+			for (int i = 0; i < PH_N; i++) {
+				ph.bytes[i] /= steps;
+				ph.flops[i] /= steps;
+			}
 			t /= steps;
 			{
 				char name[32];
@@ -986,6 +1039,7 @@ int main(int argc, char **argv)
 				mc = around(&mc_prev, &mc_now);
 				floor_row(name, B, t, bytes, flops, mm, mc.bw, mc.fl, mc.rd, amx);
 				print_split(&sp, t);
+				print_phases(&sp, &ph, t, mc.bw, mc.fl);
 				print_machine(&mc_prev, &mc_now);
 				mc_prev = mc_now;
 			}
@@ -1004,6 +1058,7 @@ int main(int argc, char **argv)
 			float *logits = malloc(c->vocab * sizeof(float));
 			double best = 1e30, bytes = 0, flops = 0, mm = 0;
 			struct ro_model_split sp = {0};
+			struct phases ph = {0};
 
 			for (uint32_t j = 0; j < prefill_len; j++)
 				p[j] = (int32_t)((j * 104729 + 17) % c->vocab);
@@ -1027,7 +1082,7 @@ int main(int argc, char **argv)
 			}
 			/* context sum of a causal prefill: 1 + 2 + ... + n */
 			work(&sh, prefill_len, (double)prefill_len * (prefill_len + 1) / 2,
-			     prefill_len, ro_model_last_experts(m), 1, &bytes, &flops, &mm);
+			     prefill_len, ro_model_last_experts(m), 1, &bytes, &flops, &mm, &ph);
 			char name[32];
 
 			(void)snprintf(name, sizeof(name), "prefill, %u tokens", prefill_len);
@@ -1036,6 +1091,7 @@ int main(int argc, char **argv)
 			floor_row(name, prefill_len, best, bytes, flops, mm, mc.bw, mc.fl, mc.rd,
 				  amx);
 			print_split(&sp, best);
+			print_phases(&sp, &ph, best, mc.bw, mc.fl);
 			print_machine(&mc_prev, &mc_now);
 			free(p);
 			free(logits);
@@ -1050,7 +1106,11 @@ int main(int argc, char **argv)
 		    "under it); its\nfloor takes the better of the two for each rate.\n"
 		    "x machine limit: the same with bytes at the read stream's rate and, where "
 		    "the linear layers run\non AMX, their FLOPs at its rate above: the limit for "
-		    "the kernels that run (the goals were\nset against the floor).\n");
+		    "the kernels that run (the goals were\nset against the floor).\n"
+		    "by phase: each phase's time over its own floor (its bytes and FLOPs at the "
+		    "row's rates), and\nthe step over those floors summed: the phases run in turn "
+		    "(a layer's experts wait for its\nattention), so where memory-bound and "
+		    "compute-bound phases alternate, the sum is above the\ntable's floor.\n");
 	}
 	if (run_inflight && inflight_section(m, inf[0], inf[1], inf[2], inf[3], inf[4])) {
 		(void)fprintf(stderr, "decode_bench: a forward failed in the in-flight section\n");
