@@ -344,31 +344,30 @@ static double fma_throughput(uint32_t threads, int lanes)
  * so a floor measured once at the start described the machine at the start only. */
 struct machine {
 	double bw, rd, fl; /* memcpy bytes/s, read-stream bytes/s, FMA FLOP/s (the wider) */
+	double fl8, fl16;  /* FMA FLOP/s at 8 and at 16 lanes (0 without AVX-512) */
 };
 
 static void measure(uint32_t threads, struct machine *mc)
 {
-	double f16 = 0;
-
 	mc->bw = copy_bandwidth(threads);
 	mc->rd = read_bandwidth(threads);
-	mc->fl = fma_throughput(threads, 8);
+	mc->fl8 = fma_throughput(threads, 8);
+	mc->fl16 = 0;
 #if defined(__x86_64__)
 	__builtin_cpu_init();
 	if (__builtin_cpu_supports("avx512f"))
-		f16 = fma_throughput(threads, 16);
+		mc->fl16 = fma_throughput(threads, 16);
 #endif
-	if (f16 > mc->fl)
-		mc->fl = f16;
+	mc->fl = mc->fl16 > mc->fl8 ? mc->fl16 : mc->fl8;
 }
 
 /* The floor beside a row: the machine at its best just before and just after it, rate by
  * rate (the stricter floor of the two). */
 static struct machine around(const struct machine *before, const struct machine *after)
 {
-	return (struct machine){before->bw > after->bw ? before->bw : after->bw,
-				before->rd > after->rd ? before->rd : after->rd,
-				before->fl > after->fl ? before->fl : after->fl};
+	return (struct machine){.bw = before->bw > after->bw ? before->bw : after->bw,
+				.rd = before->rd > after->rd ? before->rd : after->rd,
+				.fl = before->fl > after->fl ? before->fl : after->fl};
 }
 
 /* the two measures beside a row, printed under it */
@@ -418,13 +417,6 @@ static void shape_of(const struct ro_model_config *c, struct shape *s)
 	s->top_k = c->top_k;
 }
 
-/* Bytes and FLOPs of one forward of `tokens` tokens over contexts summing to ctx_sum
- * positions, of which kv_read positions' K and V must come from memory, that ran `experts`
- * (layer, expert) pairs and produced `rows` logit rows. A decode step reads each
- * sequence's cache once (kv_read = ctx_sum); a prefill's queries share the prompt's K/V
- * tiles, so the floor reads them once (kv_read = tokens: until 2026-12-05 the prefill rows
- * counted ctx_sum, 4.3 of the 5.8 GB at 512 tokens and 275 GB at 4,096, a floor that
- * a tiled kernel beats). */
 /* The step's work by phase, as ro_model_last_split() times them: attention (with its
  * projections, the norms, the embedding rows and the KV cache), router, experts, head. */
 enum { PH_ATTN, PH_ROUTER, PH_EXPERTS, PH_HEAD, PH_N };
@@ -432,6 +424,14 @@ struct phases {
 	double bytes[PH_N], flops[PH_N];
 };
 
+/* Bytes and FLOPs of one forward of `tokens` tokens over contexts summing to ctx_sum
+ * positions, of which kv_read positions' K and V must come from memory, that ran `experts`
+ * (layer, expert) pairs and produced `rows` logit rows. A decode step reads each
+ * sequence's cache once (kv_read = ctx_sum); a prefill's queries share the prompt's K/V
+ * tiles, so the floor reads them once (kv_read = tokens: until 2026-12-05 the prefill rows
+ * counted ctx_sum, 4.3 of the 5.8 GB at 512 tokens and 275 GB at 4,096, a floor that
+ * a tiled kernel beats). Each phase's share is added into *ph (a decode row sums its
+ * steps', then averages them). */
 static void work(const struct shape *s, double tokens, double ctx_sum, double kv_read,
 		 double experts, double rows, double *bytes, double *flops, double *mm_flops,
 		 struct phases *ph)
@@ -853,7 +853,7 @@ int main(int argc, char **argv)
 	const struct ro_model_config *c;
 	struct shape sh;
 	char err[512];
-	double bw, rd, fl, fl512, amx = 0, t_load;
+	double amx = 0, t_load;
 	struct machine mc_prev, mc_now, mc;
 	uint64_t total, active;
 	int ch;
@@ -949,21 +949,12 @@ int main(int argc, char **argv)
 	if (run_decode) {
 		(void)fprintf(stderr, "decode_bench: measuring the machine (%u threads) ...\n",
 			      threads);
-		bw = copy_bandwidth(threads);
-		rd = read_bandwidth(threads);
-		fl = fma_throughput(threads, 8);
-		fl512 = 0;
-#if defined(__x86_64__)
-		__builtin_cpu_init();
-		if (__builtin_cpu_supports("avx512f"))
-			fl512 = fma_throughput(threads, 16);
-#endif
+		measure(threads, &mc_prev);
 		(void)printf("machine: memcpy %.1f GB/s (bytes read + written), FMA %.1f GFLOP/s "
 			     "(f32, 8 lanes), %.1f (16 lanes); the floor uses the larger\n"
 			     "machine: read stream %.1f GB/s (bytes read, 1 GiB)\n",
-			     bw / 1e9, fl / 1e9, fl512 / 1e9, rd / 1e9);
-		fl = fl512 > fl ? fl512 : fl;
-		mc_prev = (struct machine){bw, rd, fl};
+			     mc_prev.bw / 1e9, mc_prev.fl8 / 1e9, mc_prev.fl16 / 1e9,
+			     mc_prev.rd / 1e9);
 		/* a bf16 model's linear layers run on AMX where the kernels say so: each
 		 * multiply-add is two bf16 products there (activations as hi + lo) */
 		if (strstr(ro_model_kernels(m), "amx") && !strcmp(c->dtype, "BF16")) {
