@@ -1949,6 +1949,8 @@ static int stats_workers(struct ro_queue *q, struct ro_queue_stats *s)
 		for (size_t j = 0; j + 1 < h->elements; j += 2) {
 			const char *k = h->element[j]->str;
 
+			/* a worker's claim memory, kept here by libraries before 2026-12-07
+			 * (now in claim:<id>): a heartbeat hash written then keeps it */
 			if (!strncmp(k, "claim_", 6))
 				continue;
 			json_object_object_add(o, k,

@@ -256,13 +256,17 @@ local function reap(P, now, max_attempts, limit)
 	return requeued, dead
 end
 
--- The worker's own heartbeat hash. One of another type (someone else wrote it) is
--- replaced: otherwise this worker could neither claim nor renew its leases.
+-- A hash of the worker's own. One of another type (someone else wrote it) is replaced:
+-- otherwise this worker could neither claim nor renew its leases.
+local function own_hash(key)
+	local t = type_of(key)
+	if t ~= 'hash' and t ~= 'none' then redis.call('DEL', key) end
+	return key
+end
+
+-- The worker's heartbeat hash: it lives while the worker does (its TTL is the heartbeat's).
 local function worker_key(P, worker)
-	local wkey = P .. 'worker:' .. worker
-	local t = type_of(wkey)
-	if t ~= 'hash' and t ~= 'none' then redis.call('DEL', wkey) end
-	return wkey
+	return own_hash(P .. 'worker:' .. worker)
 end
 
 local function touch_worker(P, worker, now, ttl)
@@ -323,8 +327,13 @@ local function claim(keys, args)
 	if bad then return bad end
 	local now = now_ms()
 	local wkey = worker_key(P, worker)
+	-- The worker's last claim: its request id and what it took, kept as long as the
+	-- leases it handed out run. Not in the heartbeat hash, whose TTL (a few heartbeats)
+	-- is shorter than an outage that leaves a claim unanswered: a retry after it found
+	-- nothing, and the units that claim took waited out their leases, an attempt each.
+	local ckey = own_hash(P .. 'claim:' .. worker)
 	local out = {}
-	local last = redis.call('HMGET', wkey, 'claim_req', 'claim_ids', 'claim_dead')
+	local last = redis.call('HMGET', ckey, 'req', 'ids', 'dead')
 	if last[1] == reqid then
 		-- what that request took and this worker still holds, its lease made new: the
 		-- worker counts its lease from this call (it may never have heard of the first,
@@ -338,6 +347,8 @@ local function claim(keys, args)
 				out[#out + 1] = held_reply(P, ukey, id, f, b, worker, now)
 			end
 		end
+		-- (their leases run again from now: so does the memory of them)
+		redis.call('PEXPIRE', ckey, lease)
 		-- and what it dead-lettered instead of sending, so the worker hears of it
 		for id in string.gmatch(last[3] or '', '[^,]+') do
 			local f = unit_head(P .. 'unit:' .. id)
@@ -388,8 +399,10 @@ local function claim(keys, args)
 			if suspect then break end
 		end
 	end
-	redis.call('HSET', wkey, 'claim_req', reqid, 'claim_ids', table.concat(ids, ','),
-		'claim_dead', table.concat(dead, ','), 'last_seen_ms', now)
+	redis.call('HSET', ckey, 'req', reqid, 'ids', table.concat(ids, ','), 'dead',
+		table.concat(dead, ','))
+	redis.call('PEXPIRE', ckey, lease)
+	redis.call('HSET', wkey, 'last_seen_ms', now)
 	redis.call('PEXPIRE', wkey, wttl)
 	return out
 end

@@ -190,6 +190,43 @@ Test(faults, unanswered_claim_is_taken_by_the_next_one)
 	ro_queue_free(q);
 }
 
+/* The same, with an outage longer than the worker's heartbeat TTL: the server forgets the
+ * worker (its heartbeat hash expires) before the retry comes, but not its claim, which it
+ * keeps for as long as the leases that claim handed out. The retry used to find nothing,
+ * take another unit, and leave the first to wait out its lease (one agent test in ten
+ * failed on this when its reconnect took longer than the 0.8 s TTL). */
+Test(faults, unanswered_claim_outlives_the_heartbeat)
+{
+	struct ro_queue_opts o = {.url = S.url,
+				  .queue = "lt",
+				  .worker = "w-gone",
+				  .retry_ms = 2000,
+				  .worker_ttl_ms = 200};
+	struct ro_queue *q;
+	struct ro_claim *c = NULL;
+	size_t n = 0;
+
+	cr_assert_eq(ro_queue_new(&o, &q), 0);
+	ro_test_enqueue(q, "lt", 0, 3, 1, false);
+	cr_assert_eq(kill(S.pid, SIGSTOP), 0);
+	cr_assert_lt(ro_queue_claim(q, 1, 10000, &c, &n), 0, "a stopped server answered");
+	cr_assert_eq(kill(S.pid, SIGCONT), 0);
+	for (int i = 0; i < 2000 && ro_test_int(R, "ZCARD ro:{lt}:leases") < 1; i++)
+		ro_test_msleep(5);
+	cr_assert_eq(ro_test_int(R, "ZCARD ro:{lt}:leases"), 1, "the late claim never ran");
+	/* the heartbeat hash is gone (its TTL passed), the lease is not */
+	for (int i = 0; i < 2000 && ro_test_int(R, "EXISTS ro:{lt}:worker:w-gone"); i++)
+		ro_test_msleep(5);
+	cr_assert_eq(ro_test_int(R, "EXISTS ro:{lt}:worker:w-gone"), 0);
+
+	cr_assert_eq(ro_queue_claim(q, 1, 10000, &c, &n), 1, "%s", ro_queue_errmsg(q));
+	cr_assert_str_eq(c[0].id, "lt-0", "the retry took another unit");
+	cr_assert_eq(ro_test_int(R, "ZCARD ro:{lt}:leases"), 1, "a second unit was leased");
+	cr_assert_eq(ro_test_int(R, "LLEN ro:{lt}:pending"), 2);
+	ro_claims_free(c, n);
+	ro_queue_free(q);
+}
+
 Test(faults, lost_complete_reply_completes_once)
 {
 	struct killer k = {.fn = "ro_complete", .when = "XLEN ro:{lr}:groups", .client = "w-done"};
