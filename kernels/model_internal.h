@@ -122,7 +122,10 @@ struct gemm_job {
 	uint32_t T;
 	float *y;
 	uint32_t ldy, r0, r1;
+	float *const *yp; /* when set, token t's output row is yp[t] (T <= RO_JOB_PTRS), not y */
 };
+
+#define RO_JOB_PTRS 256
 
 struct jobs {
 	struct gemm_job *j;
