@@ -436,14 +436,14 @@ static void work(const struct shape *s, double tokens, double ctx_sum, double kv
 		 double experts, double rows, double *bytes, double *flops, double *mm_flops,
 		 struct phases *ph)
 {
+	/* scores and the weighted sum of V, per head */
+	const double core = s->layers * 4.0 * ctx_sum * s->head_dim * s->heads;
 	struct phases p = {
 	    .bytes = {s->layers * s->attn_bytes + tokens * s->embed_row_bytes +
 			  /* the KV cache read by attention, written for the new tokens */
 			  s->layers * (kv_read + tokens) * s->kv_row * 4.0 * 2,
 		      s->layers * s->router_bytes, experts * s->expert_bytes, s->head_bytes},
-	    .flops = {2.0 * tokens * s->layers * s->attn_params +
-			  /* scores and the weighted sum of V, per head */
-			  s->layers * 4.0 * ctx_sum * s->head_dim * s->heads,
+	    .flops = {2.0 * tokens * s->layers * s->attn_params + core,
 		      2.0 * tokens * s->layers * s->router_params,
 		      2.0 * tokens * s->layers * s->top_k * s->expert_params,
 		      2.0 * rows * s->head_params}};
@@ -458,7 +458,7 @@ static void work(const struct shape *s, double tokens, double ctx_sum, double kv
 		}
 	}
 	/* the linear layers' share (what AMX runs for a bf16 model) */
-	*mm_flops = *flops - s->layers * 4.0 * ctx_sum * s->head_dim * s->heads;
+	*mm_flops = *flops - core;
 }
 
 /* One row of the floor table: time t for `tokens` tokens beside the floor, max(bytes /
