@@ -254,10 +254,13 @@ static pid_t publish_bg(const char *q, const char *model)
 	return pid;
 }
 
-/* Keeps the agent supplied: fewer than 6 units waiting or running gets 2 more (bounded). */
+/* Keeps the agent supplied: fewer than 12 units waiting or running gets 2 more (bounded).
+ * With 6, one CI-like run on 2 busy cores saw 22 units and no sample part-way at the swap
+ * (a supply that ran dry is the likely cause, not shown); twice the queue is twice the
+ * time this loop may be off the CPU before the agent runs out. */
 static void top_up(const struct ro_test_agent *a, const char *q, int *units, int max_units)
 {
-	if (*units < max_units && *units - ro_test_agent_field(a, "completed") < 6) {
+	if (*units < max_units && *units - ro_test_agent_field(a, "completed") < 12) {
 		enqueue_from(q, *units, 2, 2, 0);
 		*units += 2;
 	}
