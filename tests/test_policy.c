@@ -254,30 +254,47 @@ static pid_t publish_bg(const char *q, const char *model)
 	return pid;
 }
 
-/* Keeps the agent supplied: fewer than 12 units waiting or running gets 2 more (bounded).
- * With 6, one CI-like run on 2 busy cores saw 22 units and no sample part-way at the swap
- * (a supply that ran dry is the likely cause, not shown); twice the queue is twice the
- * time this loop may be off the CPU before the agent runs out. */
-static void top_up(const struct ro_test_agent *a, const char *q, int *units, int max_units)
+/* Takes the units still waiting off the queue, atomically (no claim sees half of it): how
+ * many there were. */
+static int take_waiting(const char *q)
 {
-	if (*units < max_units && *units - ro_test_agent_field(a, "completed") < 12) {
-		enqueue_from(q, *units, 2, 2, 0);
-		*units += 2;
-	}
+	struct ro_queue *qq = ro_test_queue(ro_test_redis_url(), q, "take", 3);
+	struct ro_test_redis rs = {0};
+	const char *port = strrchr(ro_test_redis_url(), ':');
+	char key[300], out[256];
+	int r;
+
+	/* (this test's process has the server's URL, not the hooks' struct) */
+	cr_assert_not_null(port);
+	rs.port = atoi(port + 1);
+	(void)ro_queue_key(qq, "pending", key, sizeof(key));
+	r = ro_test_redis_cli(&rs, out, sizeof(out), "EVAL",
+			      "local n = redis.call('LLEN', KEYS[1]) redis.call('DEL', KEYS[1]) "
+			      "return n",
+			      "1", key, NULL);
+	ro_queue_free(qq);
+	cr_assert_eq(r, 0, "%s", out);
+	return atoi(out);
 }
 
 /* The agent decodes while the new weights load, and a fast machine finishes short units
- * before the load is in. So the test keeps it supplied from its start until the swap is in:
- * units of staggered lengths, topped up (a bounded number), so some sample is part-way
- * through whenever the swap comes, however fast this machine decodes. */
+ * before the load is in. So the queue holds more units than the agent decodes in the time
+ * the swap may take (staggered lengths, so that some sample is part-way through whenever
+ * it comes), and those still waiting once it is in are taken off the queue: the supply
+ * depends on nothing this process does meanwhile. Topped up from this loop instead (a dozen
+ * ahead), one run on 2 busy cores saw no sample part-way: the queue ran dry and the agent
+ * swapped idle, as it does when this process stalls 3 s right after the publish. The test
+ * model decodes ~20 units a second here: 1,000 last this process ~50 s off the CPU. */
+#define SUPPLY 1000
+
 static void run(const char *mode)
 {
 	char q[64];
 	struct ro_test_agent a;
 	const char *extra[] = {"--policy-version", "1", "--policy-swap", mode, "--max-inflight",
 			       "4", "--claim-batch", "1", NULL};
-	const int max_units = 60, max_new = 200;
-	int units = 6, st = -1;
+	const int max_new = 200;
+	int units = SUPPLY, st = -1;
 	size_t n = 0, spanning = 0, v1 = 0, v2 = 0;
 	struct smp **v;
 	pid_t pub = -1;
@@ -287,7 +304,6 @@ static void run(const char *mode)
 	enqueue_from(q, 0, units, 2, 0);
 	ro_test_agent_start(&a, dir, model_a, ro_test_redis_url(), mode, q, extra, NULL);
 	for (end = ro_test_mono_ms() + 60000; ro_test_mono_ms() < end;) {
-		top_up(&a, q, &units, max_units);
 		if (pub < 0 && ro_test_agent_field(&a, "in_flight") >= 1)
 			pub = publish_bg(q, model_b);
 		if (pub > 0 && st < 0 && waitpid(pub, &st, WNOHANG) != pub)
@@ -296,6 +312,7 @@ static void run(const char *mode)
 			break;
 		ro_test_msleep(10);
 	}
+	units -= take_waiting(q);
 	cr_assert_gt(pub, 0, "the agent had units in flight");
 	if (st < 0)
 		cr_assert_eq(waitpid(pub, &st, 0), pub);
@@ -511,7 +528,7 @@ Test(policy, an_ep_group_swaps_at_the_same_round)
 	struct ro_test_agent a;
 	struct smp **v;
 	size_t n = 0, spanning = 0;
-	int units = 6, st = -1;
+	int units = SUPPLY, st = -1;
 	pid_t pub = -1;
 	FILE *f;
 
@@ -520,7 +537,6 @@ Test(policy, an_ep_group_swaps_at_the_same_round)
 	ro_test_agent_start(&a, dir, model_a, ro_test_redis_url(), "ep", q, extra, fi_env);
 	/* supplied until both ranks swapped, as in run() */
 	for (int64_t end = ro_test_mono_ms() + 60000; ro_test_mono_ms() < end;) {
-		top_up(&a, q, &units, 60);
 		if (pub < 0 && ro_test_agent_log_has(&a, "claimed p-"))
 			pub = publish_bg(q, model_b);
 		if (pub > 0 && st < 0 && waitpid(pub, &st, WNOHANG) != pub)
@@ -530,6 +546,7 @@ Test(policy, an_ep_group_swaps_at_the_same_round)
 			break;
 		ro_test_msleep(10);
 	}
+	units -= take_waiting(q);
 	cr_assert_gt(pub, 0, "the agent claimed a unit");
 	if (st < 0)
 		cr_assert_eq(waitpid(pub, &st, 0), pub);
