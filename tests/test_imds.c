@@ -176,14 +176,19 @@ Test(reads, token_renewed_before_expiry)
 	/* a 2 s token is renewed after 1.5 s: reads for 3.5 s never meet a 401 */
 	struct ro_imds *m = client(2, false);
 	char st[32];
+	int64_t t0 = ro_test_mono_ms(), took;
 
 	for (int i = 0; i < 18; i++) {
 		cr_assert_eq(ro_imds_lifecycle(m, st, sizeof(st)), 0, "%s", ro_imds_errmsg(m));
 		ro_test_msleep(200);
 	}
+	took = ro_test_mono_ms() - t0;
 	cr_expect_eq(ro_test_mock_count(&mk, "401"), 0);
 	cr_expect_geq(ro_test_mock_count(&mk, "put"), 2);
-	cr_expect_leq(ro_test_mock_count(&mk, "put"), 3);
+	/* renewed no sooner than 1.5 s after the last PUT: on a busy box the loop takes longer
+	 * than 18 x 200 ms, and more renewals are due (a fixed 3 failed past ~4.6 s) */
+	cr_expect_leq(ro_test_mock_count(&mk, "put"), 1 + took / 1500, "%ld PUTs in %lld ms",
+		      ro_test_mock_count(&mk, "put"), (long long)took);
 	ro_imds_free(m);
 }
 
@@ -198,7 +203,13 @@ Test(reads, granted_ttl_is_honoured)
 		cr_assert_eq(ro_imds_lifecycle(m, st, sizeof(st)), 0, "%s", ro_imds_errmsg(m));
 		ro_test_msleep(200);
 	}
-	cr_expect_eq(ro_test_mock_count(&mk, "401"), 0);
+	/* renewed ahead of the granted 1 s, not only after a 401 (a client that kept the asked
+	 * TTL renews on 401s only: PUTs = 1 + 401s). The renewal is 250 ms early: a request that
+	 * a loaded box delays past that meets a 401, which the client recovers from, so the
+	 * count of 401s is not zero on every run (a mock stopped for 0.45 s at a time) */
+	cr_expect_gt(ro_test_mock_count(&mk, "put"), 1 + ro_test_mock_count(&mk, "401"),
+		     "%ld PUTs, %ld 401s", ro_test_mock_count(&mk, "put"),
+		     ro_test_mock_count(&mk, "401"));
 	cr_expect_geq(ro_test_mock_count(&mk, "put"), 2);
 	ro_imds_free(m);
 }
