@@ -441,9 +441,17 @@ Test(agent, rebalance_stop_claiming_and_ignore)
 	      (const char *const[]){"--imds-endpoint", ep, "--imds-poll-ms", "100",
 				    "--imds-slow-poll-ms", "100", "--rebalance", "ignore", NULL},
 	      NULL);
-	ro_test_msleep(500);
+	/* events, not times: both agents up and past their first metadata read before the
+	 * notice (a start under load can take seconds), then both have seen the notice */
+	for (int i = 0; i < 1200 && !(ro_test_agent_log_has(&a, "imds: .*first read") &&
+				      ro_test_agent_log_has(&b, "imds: .*first read"));
+	     i++)
+		ro_test_msleep(25);
 	free(ro_test_mock_ctl(&mk, "rebalance?in=0"));
-	ro_test_msleep(1500);
+	for (int i = 0; i < 1200 && !(ro_test_agent_log_has(&a, "\"event\":\"rebalance\"") &&
+				      ro_test_agent_log_has(&b, "\"event\":\"rebalance\""));
+	     i++)
+		ro_test_msleep(25);
 	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), "\"stop_claiming\":true"), "%s",
 		  ro_test_agent_status(&a, "status\n"));
 	cr_expect(strstr(ro_test_agent_status(&a, "status\n"), "\"state\":\"running\""));
