@@ -477,7 +477,9 @@ static void dies_after_connect(const struct group *g, uint32_t rank)
 
 static void dead_rank(const char *provider)
 {
-	struct group g = {.provider = provider, .world = 3, .timeout_ms = 1500};
+	/* long enough that ranks 0 and 1 reach their exchange within it on a loaded box: with
+	 * 1.5 s, rank 1 held back 2.5 s before its exchange made rank 0 name rank 1, not 2 */
+	struct group g = {.provider = provider, .world = 3, .timeout_ms = 6000};
 	pid_t pid[3];
 	static int seq;
 
