@@ -259,22 +259,22 @@ static pid_t publish_bg(const char *q, const char *model)
 static int take_waiting(const char *q)
 {
 	struct ro_queue *qq = ro_test_queue(ro_test_redis_url(), q, "take", 3);
-	struct ro_test_redis rs = {0};
-	const char *port = strrchr(ro_test_redis_url(), ':');
-	char key[300], out[256];
-	int r;
+	redisContext *c = ro_test_redis_connect(ro_test_redis_url());
+	redisReply *r;
+	char key[300];
+	long long n;
 
-	/* (this test's process has the server's URL, not the hooks' struct) */
-	cr_assert_not_null(port);
-	rs.port = atoi(port + 1);
 	(void)ro_queue_key(qq, "pending", key, sizeof(key));
-	r = ro_test_redis_cli(&rs, out, sizeof(out), "EVAL",
-			      "local n = redis.call('LLEN', KEYS[1]) redis.call('DEL', KEYS[1]) "
-			      "return n",
-			      "1", key, NULL);
+	r = redisCommand(c, "EVAL %s 1 %s",
+			 "local n = redis.call('LLEN', KEYS[1]) redis.call('DEL', KEYS[1]) return n",
+			 key);
+	cr_assert(r && r->type == REDIS_REPLY_INTEGER, "redis: %s",
+		  r ? (r->str ? r->str : "not an integer") : c->errstr);
+	n = r->integer;
+	freeReplyObject(r);
+	redisFree(c);
 	ro_queue_free(qq);
-	cr_assert_eq(r, 0, "%s", out);
-	return atoi(out);
+	return (int)n;
 }
 
 /* The agent decodes while the new weights load, and a fast machine finishes short units
