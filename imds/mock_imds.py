@@ -10,6 +10,7 @@ amazon-ec2-metadata-mock where they overlap (port 1338, -d, -x, --rebalance-*, -
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import secrets
@@ -22,10 +23,17 @@ from urllib.parse import parse_qs, urlparse
 
 TOKEN_TTL_HDR = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HDR = "X-aws-ec2-metadata-token"
-# The "huge" fault's reply, built once: built per request (16 MiB of copies, some
-# 35 ms of CPU) it came later than a client's 500 ms on a loaded box, and the client
-# saw a timeout where it should have refused an oversized reply
-HUGE_BODY = b'{"action":"terminate","pad":"' + b"x" * (8 << 20) + b'"}'
+
+
+@functools.lru_cache(maxsize=None)
+def huge_body():
+    """The "huge" fault's reply, built once, on the first request that asks for it (not at
+    start: most runs never do). Built per request (16 MiB of copies, ~35 ms of CPU) it came
+    later than a client's 500 ms on a loaded box, each retry building it again, and the
+    client saw a timeout where it should have refused an oversized reply."""
+    return b'{"action":"terminate","pad":"' + b"x" * (8 << 20) + b'"}'
+
+
 FAULT_KINDS = ("delay", "500", "503", "429", "drop", "badbody", "truncated", "huge",
                "wrongtypes", "notoken", "token400", "tokenhang")
 
@@ -298,7 +306,7 @@ class Handler(BaseHTTPRequestHandler):
             return self.send(200, '{"action": 7, "time": ["soon"], "noticeTime": false}',
                              "text/plain")
         if k == "huge":
-            return self.send(200, HUGE_BODY, "text/plain")
+            return self.send(200, huge_body(), "text/plain")
         if k == "truncated":
             data = body.encode() if isinstance(body, str) else body
             self.send_response(200)
