@@ -484,6 +484,20 @@ static void kv_note(struct ro_agent *a)
 
 /* Under mu: a step's time for the swap's figures. After a swap, the watch runs until no
  * sequence is rebuilding its cache any more, and eight steps beyond. */
+/* Monotonic time in milliseconds with the clock's resolution: a step of a small model or
+ * batch takes well under a millisecond, and whole milliseconds (ro_now_ms) made it 0 ms,
+ * clamped to 0.01, so one such step counted its tokens at 100,000 a millisecond-less
+ * step: `tokens_per_s` read 78,000-237,000 in scripts/demo where ~5,000-10,000 were made,
+ * and `step_ms`, which the drain's triage multiplies by the tokens a unit has left, fell
+ * toward 0.01. */
+static double mono_ms_f(void)
+{
+	struct timespec ts;
+
+	(void)clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
 static void note_step(struct ro_agent *a, const struct step *st, double ms)
 {
 	bool rebuilding = false, decoded_new = false;
@@ -552,7 +566,7 @@ static void *engine_main(void *arg)
 	struct step st = {0};
 
 	for (;;) {
-		int64_t t0;
+		double t0;
 		uint32_t decoded;
 		uint64_t prefilled;
 		int r = 0;
@@ -601,7 +615,7 @@ static void *engine_main(void *arg)
 		pthread_mutex_unlock(&a->mu);
 
 		build(a, &st);
-		t0 = ro_now_ms();
+		t0 = mono_ms_f();
 		if (st.n_items) {
 			r = forward(a, &st);
 			if (r)
@@ -616,7 +630,7 @@ static void *engine_main(void *arg)
 		prefilled = a->prefill_tokens - prefilled;
 		kv_note(a);
 		if (st.n_items && !r) {
-			double ms = (double)(ro_now_ms() - t0);
+			double ms = mono_ms_f() - t0;
 
 			note_step(a, &st, ms);
 
