@@ -484,12 +484,11 @@ static void kv_note(struct ro_agent *a)
 
 /* Under mu: a step's time for the swap's figures. After a swap, the watch runs until no
  * sequence is rebuilding its cache any more, and eight steps beyond. */
-/* Monotonic time in milliseconds with the clock's resolution: a step of a small model or
- * batch takes well under a millisecond, and whole milliseconds (ro_now_ms) made it 0 ms,
- * clamped to 0.01, so one such step counted its tokens at 100,000 a millisecond-less
- * step: `tokens_per_s` read 78,000-237,000 in scripts/demo where ~5,000-10,000 were made,
- * and `step_ms`, which the drain's triage multiplies by the tokens a unit has left, fell
- * toward 0.01. */
+/* Monotonic time in milliseconds at the clock's resolution. A step of a small model or
+ * batch takes well under a millisecond: in whole milliseconds (ro_now_ms) it measured 0,
+ * clamped to 0.01, as if its tokens had taken 10 us, so `tokens_per_s` read
+ * 78,000-237,000 in scripts/demo where 5,000-10,000 were made, and `step_ms`, which the
+ * drain's triage multiplies by the tokens a unit has left, fell toward 0.01. */
 static double mono_ms_f(void)
 {
 	struct timespec ts;
