@@ -77,6 +77,7 @@ struct unit_rt {
 	/* shared, under a->mu */
 	bool cancel;	  /* control plane: stop working on it */
 	bool released;	  /* engine: holds nothing of it any more */
+	bool in_step;	  /* engine: in the step now running (its tokens not yet committed) */
 	char failed[256]; /* engine: why it cannot run it ("" while it can) */
 	/* control plane only */
 	enum unit_cp cp;

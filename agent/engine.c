@@ -414,6 +414,7 @@ static uint32_t commit(struct ro_agent *a, struct step *st)
 		struct unit_rt *u = j->u;
 		struct sample_rt *s = j->s;
 
+		u->in_step = false;
 		if (j->r) {
 			unit_fail(u, "the forward failed", j->r);
 			continue;
@@ -592,6 +593,8 @@ static void *engine_main(void *arg)
 		ro_policy_gc(a);
 		st.n_jobs = 0;
 		plan(a, &st);
+		for (size_t k = 0; k < st.n_jobs; k++)
+			st.jobs[k].u->in_step = true;
 		a->engine_working = st.n_jobs > 0;
 		if (st.n_jobs)
 			a->engine_beat_ms = ro_now_ms(); /* the age counts from this step's start */
