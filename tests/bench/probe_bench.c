@@ -489,9 +489,12 @@ static void run_daemon(const struct opts *o, const char *bin, const char *tag, c
 	}
 	(void)snprintf(sock, sizeof(sock), "%s/%s.sock", dir, tag);
 
-	/* (a)-(c): plenty of short units, so the daemon decodes through every window */
+	/* (a)-(c): plenty of short units, so the daemon decodes through every window: 4,000
+	 * (16,000 samples) where 400 ran dry inside (a) once the kernels made ~1,600 samples in
+	 * its 5 s, and (b) and (c) then measured an idle daemon ("NOT publishing 60 s after
+	 * SIGCONT": nothing was left to publish) */
 	(void)snprintf(q, sizeof(q), "probe-%s", tag);
-	for (int i = 0; i < 400; i++) {
+	for (int i = 0; i < 4000; i++) {
 		char id[32];
 
 		(void)snprintf(id, sizeof(id), "u-%d", i);
