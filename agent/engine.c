@@ -483,8 +483,6 @@ static void kv_note(struct ro_agent *a)
 	a->kv_tokens = tokens;
 }
 
-/* Under mu: a step's time for the swap's figures. After a swap, the watch runs until no
- * sequence is rebuilding its cache any more, and eight steps beyond. */
 /* Monotonic time in milliseconds at the clock's resolution. A step of a small model or
  * batch takes well under a millisecond: in whole milliseconds (ro_now_ms) it measured 0,
  * clamped to 0.01, as if its tokens had taken 10 us, so `tokens_per_s` read
@@ -498,6 +496,8 @@ static double mono_ms_f(void)
 	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
+/* Under mu: a step's time for the swap's figures. After a swap, the watch runs until no
+ * sequence is rebuilding its cache any more, and eight steps beyond. */
 static void note_step(struct ro_agent *a, const struct step *st, double ms)
 {
 	bool rebuilding = false, decoded_new = false;
