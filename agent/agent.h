@@ -77,7 +77,7 @@ struct unit_rt {
 	/* shared, under a->mu */
 	bool cancel;	  /* control plane: stop working on it */
 	bool released;	  /* engine: holds nothing of it any more */
-	bool in_step;	  /* engine: in the step now running (its tokens not yet committed) */
+	bool in_step;	  /* engine: decoding in the step now running (tokens not committed) */
 	char failed[256]; /* engine: why it cannot run it ("" while it can) */
 	/* control plane only */
 	enum unit_cp cp;
@@ -138,7 +138,7 @@ struct ro_agent {
 	/* the KV blocks all sequences hold, and the positions in them (each sample's whole
 	 * length, a shared prompt once per sample): after each step */
 	uint64_t kv_bytes, kv_tokens;
-	int64_t engine_beat_ms; /* the end of its last step (monotonic) */
+	int64_t engine_beat_ms; /* the start of its running step, else the end of its last */
 	bool engine_working;
 	uint64_t steps, prefill_tokens;
 	bool engine_stop;

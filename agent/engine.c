@@ -593,8 +593,9 @@ static void *engine_main(void *arg)
 		ro_policy_gc(a);
 		st.n_jobs = 0;
 		plan(a, &st);
-		for (size_t k = 0; k < st.n_jobs; k++)
-			st.jobs[k].u->in_step = true;
+		for (size_t k = 0; k < st.n_jobs; k++) /* (a prefill commits no token) */
+			if (st.jobs[k].kind == J_DECODE || st.jobs[k].kind == J_FINISH)
+				st.jobs[k].u->in_step = true;
 		a->engine_working = st.n_jobs > 0;
 		if (st.n_jobs)
 			a->engine_beat_ms = ro_now_ms(); /* the age counts from this step's start */

@@ -886,7 +886,8 @@ static void on_ended(void *arg, struct ro_queue_result *res)
 	free(x);
 }
 
-#define STEP_WAIT_MS 2000
+#define STEP_WAIT_MS 2000  /* the longest a requeue waits for the step holding its unit */
+#define WRITE_BUDGET_MS 500 /* and never into the last this long before the hard deadline */
 
 /* The unit's final operation. A requeue (drain) first publishes what finished. */
 static void finish(struct ro_agent *a, struct unit_rt *u)
@@ -902,13 +903,13 @@ static void finish(struct ro_agent *a, struct unit_rt *u)
 	pthread_mutex_lock(&a->mu);
 	if (u->in_step && (u->end == END_REQUEUE || u->end == END_FAIL) &&
 	    ro_now_ms() - a->engine_beat_ms < STEP_WAIT_MS &&
-	    (a->state != RO_DRAINING || ro_wall_ms() < a->deadline_wall_ms)) {
-		/* A step that holds it commits first: otherwise the tokens it draws land after
+	    (a->state != RO_DRAINING || ro_wall_ms() + WRITE_BUDGET_MS < a->hard_wall_ms)) {
+		/* A step that decodes it commits first: otherwise the tokens it draws land after
 		 * the progress is written, and the worker that resumes the unit draws them again
 		 * (drain_bench: one token of each of its 64 sequences, every run). The engine
 		 * wakes the loop when the step ends; a step stuck for STEP_WAIT_MS (an EP
-		 * exchange waiting on a dead peer), or a drain at its deadline, writes what is
-		 * committed. */
+		 * exchange waiting on a dead peer), or a drain within WRITE_BUDGET_MS of its hard
+		 * deadline, writes what is committed. */
 		pthread_mutex_unlock(&a->mu);
 		return;
 	}

@@ -306,12 +306,20 @@ static long samples_between(redisContext *c, const char *q, int64_t from, int64_
 static void enqueue(const char *q, const char *id, unsigned prompt_len, unsigned n,
 		    unsigned max_new, unsigned seed)
 {
-	struct ro_queue *qq = ro_test_queue(rs.url, q, "enq", 3);
+	/* one connection per queue, not per unit (4,000 units: 4,000 sockets in TIME_WAIT) */
+	static struct ro_queue *qq;
+	static char qq_name[64];
 	size_t cap = (size_t)prompt_len * 6 + 256, off;
 	char *js = malloc(cap), why[256];
 	struct ro_unit u = {0};
 	int st;
 
+	if (!qq || strcmp(qq_name, q)) {
+		if (qq)
+			ro_queue_free(qq);
+		qq = ro_test_queue(rs.url, q, "enq", 3);
+		(void)snprintf(qq_name, sizeof(qq_name), "%s", q);
+	}
 	off = (size_t)snprintf(js, cap, "{\"id\":\"%s\",\"prompt\":[", id);
 	for (unsigned i = 0; i < prompt_len; i++)
 		off += (size_t)snprintf(js + off, cap - off, "%s%u", i ? "," : "",
@@ -328,7 +336,6 @@ static void enqueue(const char *q, const char *id, unsigned prompt_len, unsigned
 	}
 	ro_unit_clear(&u);
 	free(js);
-	ro_queue_free(qq);
 }
 
 /* ---- the flood: FLOOD idle connections, reopened when the daemon closes one ------------ */
