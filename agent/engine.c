@@ -483,19 +483,6 @@ static void kv_note(struct ro_agent *a)
 	a->kv_tokens = tokens;
 }
 
-/* Monotonic time in milliseconds at the clock's resolution. A step of a small model or
- * batch takes well under a millisecond: in whole milliseconds (ro_now_ms) it measured 0,
- * clamped to 0.01, as if its tokens had taken 10 us, so `tokens_per_s` read
- * 78,000-237,000 in scripts/demo where 5,000-10,000 were made, and `step_ms`, which the
- * drain's triage multiplies by the tokens a unit has left, fell toward 0.01. */
-static double mono_ms_f(void)
-{
-	struct timespec ts;
-
-	(void)clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
 /* Under mu: a step's time for the swap's figures. After a swap, the watch runs until no
  * sequence is rebuilding its cache any more, and eight steps beyond. */
 static void note_step(struct ro_agent *a, const struct step *st, double ms)
@@ -618,7 +605,11 @@ static void *engine_main(void *arg)
 		pthread_mutex_unlock(&a->mu);
 
 		build(a, &st);
-		t0 = mono_ms_f();
+		/* at the clock's resolution: a step of a small model or batch takes well under a
+		 * millisecond, and in whole ones (ro_now_ms) it measured 0, clamped to 0.01, so
+		 * tokens_per_s read 78,000-237,000 in scripts/demo where 5,000-10,000 were made
+		 * and step_ms, which the drain's triage uses, fell toward 0.01 */
+		t0 = ro_now_ms_f();
 		if (st.n_items) {
 			r = forward(a, &st);
 			if (r)
@@ -633,7 +624,7 @@ static void *engine_main(void *arg)
 		prefilled = a->prefill_tokens - prefilled;
 		kv_note(a);
 		if (st.n_items && !r) {
-			double ms = mono_ms_f() - t0;
+			double ms = ro_now_ms_f() - t0;
 
 			note_step(a, &st, ms);
 

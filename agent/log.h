@@ -15,4 +15,5 @@ int ro_log_errno(int r, const char *fmt, ...) __attribute__((format(printf, 2, 3
 void ro_log_limited(int64_t *last, int64_t interval_ms, int prio, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 int64_t ro_now_ms(void);  /* monotonic */
+double ro_now_ms_f(void); /* monotonic, at the clock's resolution (a step's time) */
 int64_t ro_wall_ms(void); /* since the epoch */
