@@ -424,21 +424,6 @@ Test(agent, drain_on_asg_lifecycle, .timeout = 300)
 	drain_by("lifecycle");
 }
 
-/* tokens in the first JSON array after key in s (0 when absent) */
-static long tokens_in(const char *s, const char *key)
-{
-	const char *p = s ? strstr(s, key) : NULL;
-	long n = 0;
-
-	if (!p || !(p = strchr(p, '[')))
-		return 0;
-	if (p[1] == ']')
-		return 0;
-	for (n = 1; *p && *p != ']'; p++)
-		n += *p == ',';
-	return n;
-}
-
 /* A requeue writes every token the engine drew: the step running when the drain ends a
  * unit commits before its progress is written (before, that step's token of each sequence
  * landed after the write and the resuming worker drew it again: drain_bench threw away 64
@@ -483,7 +468,7 @@ Test(agent, requeue_keeps_every_drawn_token, .timeout = 120)
 
 		for (size_t j = 0; r && j + 1 < r->elements; j += 2)
 			if (!strncmp(r->element[j]->str, "p:", 2))
-				kept += tokens_in(r->element[j + 1]->str, "\"tokens\":");
+				kept += ro_test_json_array_len(r->element[j + 1]->str, "tokens");
 		if (r)
 			freeReplyObject(r);
 	}

@@ -37,19 +37,6 @@ static long long cmd_int(redisContext *c, const char *fmt, const char *q)
 	return v;
 }
 
-/* tokens in a JSON array "[1,2,3]" */
-static long count_tokens(const char *s)
-{
-	long n = 0;
-
-	if (!s || !strchr(s, '['))
-		return 0;
-	for (const char *p = strchr(s, '[') + 1; *p && *p != ']'; p++)
-		if (*p == ',')
-			n++;
-	return strchr(s, '[')[1] == ']' ? 0 : n + 1;
-}
-
 int main(int argc, char **argv)
 {
 	static const struct option opts[] = {{"rolloutd", required_argument, NULL, 'd'},
@@ -183,11 +170,8 @@ int main(int argc, char **argv)
 		for (size_t j = 0; r && j + 1 < r->elements; j += 2) {
 			const char *k = r->element[j]->str, *v = r->element[j + 1]->str;
 
-			if (!strncmp(k, "p:", 2)) {
-				const char *t = strstr(v, "\"tokens\":");
-
-				kept_ckpt += count_tokens(t);
-			}
+			if (!strncmp(k, "p:", 2))
+				kept_ckpt += ro_test_json_array_len(v, "tokens");
 		}
 		if (r)
 			freeReplyObject(r);
@@ -200,7 +184,7 @@ int main(int argc, char **argv)
 
 			for (size_t j = 0; j + 1 < f->elements; j += 2)
 				if (!strcmp(f->element[j]->str, "tokens"))
-					published_tok += count_tokens(f->element[j + 1]->str);
+					published_tok += ro_test_json_array_len(f->element[j + 1]->str, NULL);
 		}
 		if (r)
 			freeReplyObject(r);
