@@ -133,9 +133,9 @@ static const struct setting table[] = {
     {"policy-swap", T_ENUM, F(policy_swap), "recompute", 0, 0, swap_names,
      "recompute: running sequences go on with the new weights (their caches rebuilt) | "
      "finish: they finish on the old ones"},
-    {"policy-rebuild-chunk", T_U32, F(policy_rebuild_chunk), "16", 1, 1 << 20, NULL,
+    {"policy-rebuild-chunk", T_U32, F(policy_rebuild_chunk), "0", 0, 1 << 20, NULL,
      "recompute: tokens of the caches rebuilt per step after a swap (smaller: flatter steps, "
-     "a later first token)"},
+     "a later first token); 0: as many as there are sequences in flight"},
     {"max-policy-lag", T_U32, F(max_policy_lag), "0", 0, UINT32_MAX, NULL,
      "stop claiming while more than this many versions behind the published one (0: no bound)"},
     {"weights-cache", T_STR, F(weights_cache), "/var/cache/rolloutd", 0, 0, NULL,

@@ -192,11 +192,27 @@ static void unit_fail(struct unit_rt *u, const char *what, int r)
 /* Under mu: what this step does. Decode tokens are drawn after mu is dropped. */
 static void plan(struct ro_agent *a, struct step *st)
 {
+	uint32_t budget = a->cfg.prefill_chunk;
+
 	/* while a swap rebuilds caches, prefill goes in smaller pieces: every sequence is
-	 * rebuilding at once, and the steps stay near a decode step's length */
-	uint32_t budget = a->swap_watch && a->cfg.policy_rebuild_chunk < a->cfg.prefill_chunk
-				  ? a->cfg.policy_rebuild_chunk
-				  : a->cfg.prefill_chunk;
+	 * rebuilding at once, and the steps stay near a decode step's length. Auto (0): as many
+	 * tokens as there are sequences, so that a step carries at most twice a decode step's
+	 * tokens whatever the batch (a fixed count is most of a step at batch 8 and nothing at
+	 * 256) */
+	if (a->swap_watch) {
+		uint32_t rb = a->cfg.policy_rebuild_chunk;
+
+		if (!rb) {
+			for (const struct unit_rt *u = a->units; u; u = u->next)
+				if (!u->released && !u->cancel && !u->failed[0])
+					for (uint32_t i = 0; i < u->n_s; i++)
+						rb += !u->s[i] || !u->s[i]->finished;
+			if (!rb)
+				rb = 1;
+		}
+		if (rb < budget)
+			budget = rb;
+	}
 
 	for (struct unit_rt *u = a->units; u; u = u->next) {
 		struct job *j;
