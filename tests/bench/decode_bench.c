@@ -15,6 +15,7 @@
  *
  *   decode_bench [--model DIR | --fp8] [--steps N] [--threads N] [--batches 1,8,32,128]
  *                [--prompt P (prefill tokens, 512)]
+ *                [--context C (each decode row's sequences' prompt, 32)]
  *                [--only decode|chunked|inflight] [--prefill-chunk C] [--long-prompt N]
  *                [--chunk-batches 8,32] [--chunk-steps S]
  *                [--inflight UNITSxN,PROMPT,MAX_NEW,STEPS (8x8,512,32768,32)]
@@ -852,6 +853,7 @@ int main(int argc, char **argv)
 	    {"fp8", no_argument, NULL, 'F'},
 	    {"inflight", required_argument, NULL, 'i'},
 	    {"weights", required_argument, NULL, 'w'},
+	    {"context", required_argument, NULL, 'x'},
 	    {0},
 	};
 	const char *dir = "/tmp/rolloutd-decode-bench-model";
@@ -883,6 +885,8 @@ int main(int argc, char **argv)
 			threads = (uint32_t)atoi(optarg);
 		} else if (ch == 'p') {
 			prefill_len = (uint32_t)atoi(optarg);
+		} else if (ch == 'x') {
+			plen = (uint32_t)atoi(optarg);
 		} else if (ch == 'b' || ch == 'B') {
 			uint32_t *v = ch == 'b' ? batches : ck.batches,
 				 *n = ch == 'b' ? &nb : &ck.nb;
@@ -921,7 +925,7 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
-	if (!steps || !nb || prefill_len < 2 || prefill_len > 8192 || !ck.nb || !ck.chunk ||
+	if (!steps || !nb || prefill_len < 2 || prefill_len > 8192 || !plen || plen > 32000 || !ck.nb || !ck.chunk ||
 	    ck.prompt < 2 || !ck.steps)
 		return 2;
 	for (uint32_t i = 0; i < nb; i++)
