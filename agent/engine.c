@@ -203,6 +203,8 @@ static void plan(struct ro_agent *a, struct step *st)
 		uint32_t rb = a->cfg.policy_rebuild_chunk;
 
 		if (!rb) {
+			/* (not ro_units_active: it reads the control plane's cp, which the
+			 * engine may not; these are the engine's own flags, under mu) */
 			for (const struct unit_rt *u = a->units; u; u = u->next)
 				if (!u->released && !u->cancel && !u->failed[0])
 					for (uint32_t i = 0; i < u->n_s; i++)

@@ -144,14 +144,13 @@ static AVX2 void attend_avx2(const float *q, const struct kv_span *kv, uint32_t 
 
 	for (uint32_t d = 0; d < hd; d++)
 		out[d] = 0;
-	for (uint32_t p0 = kv->lo; p0 < kv->hi; p0 = tile_end(kv, p0)) {
-		const uint32_t w = tile_end(kv, p0) - p0, j0 = p0 % ATT_TILE;
+	for (uint32_t p0 = kv->lo, pn; p0 < kv->hi; p0 = pn) {
+		const uint32_t w = (pn = tile_end(kv, p0)) - p0, j0 = p0 % ATT_TILE;
 		const float *K = kv_kt(kv, p0), *V = kv_v(kv, p0);
-		/* a decode's next tile asked for while this one computes, as attend_rows512
-		 * does: K^T's rows spread over the score loop, V's rows over the output loop.
-		 * RO_KERNELS=avx2 here, batch 8 over 1,024 positions, alternating in one
-		 * process: attention 49.6 -> 43.4 ms a step (46.7 -> 39.2 in another window) */
-		const uint32_t pn = tile_end(kv, p0);
+		/* a decode's next tile (from pn) asked for while this one computes, as
+		 * attend_rows512 does: K^T's rows spread over the score loop, V's rows over the
+		 * output loop. RO_KERNELS=avx2 here, batch 8 over 1,024 positions, alternating in
+		 * one process: attention 49.6 -> 43.4 ms a step (46.7 -> 39.2 in another window) */
 		const float *Kn = pf && pn < kv->hi ? kv_kt(kv, pn) : NULL,
 			    *Vn = Kn ? kv_v(kv, pn) : NULL;
 		const uint32_t kstep = (hd + ATT_TILE / 8 - 1) / (ATT_TILE / 8);

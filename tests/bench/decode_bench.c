@@ -602,8 +602,8 @@ static int chunked_section(struct ro_model *m, const struct chunked *o)
 {
 	const uint32_t V = ro_model_config(m)->vocab, N = o->prompt, S = o->steps, plen = 32;
 	const uint32_t sizes[3] = {o->chunk / 2 ? o->chunk / 2 : 1, o->chunk, o->chunk * 2};
-	/* (b) runs every chunk of the prompt: up to ceil(N / sizes[0]) steps */
-	const uint32_t nt = (N + sizes[0] - 1) / sizes[0] > S ? (N + sizes[0] - 1) / sizes[0] : S;
+	/* (b) runs every chunk of the prompt: up to n0 steps, the smallest chunks' */
+	const uint32_t n0 = (N + sizes[0] - 1) / sizes[0], nt = n0 > S ? n0 : S;
 	int32_t *p = malloc(N * sizeof(*p)), *dp = malloc(plen * sizeof(*dp));
 	float *lp = malloc(V * sizeof(float));
 	double *t = malloc(nt * sizeof(*t));
@@ -621,8 +621,8 @@ static int chunked_section(struct ro_model *m, const struct chunked *o)
 		struct decoders d = {.B = o->batches[bi], .V = V};
 		/* the decoders' cache: the decode-alone steps, two whole-prompt steps and every
 		 * chunk step of the three sizes, with room to spare */
-		const uint32_t dsteps = S + 2 + (N + sizes[0] - 1) / sizes[0] +
-					(N + sizes[1] - 1) / sizes[1] + (N + sizes[2] - 1) / sizes[2];
+		const uint32_t dsteps = S + 2 + n0 + (N + sizes[1] - 1) / sizes[1] +
+					(N + sizes[2] - 1) / sizes[2];
 		struct ro_seq *ps = NULL;
 		double a50, a99, full = -1;
 
