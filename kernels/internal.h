@@ -147,25 +147,30 @@ const char *ro_kernels_name(void);
 bool ro_kernels_avx2(void);
 /* The AVX-512 kernels are in use. */
 bool ro_kernels_avx512(void);
-/* AMX-BF16 runs the bf16 matrices it fits (kernels/cpu/amx.c). */
+/* AMX-BF16 runs the bf16 and FP8 matrices it fits (kernels/cpu/amx.c). */
 bool ro_kernels_amx(void);
 /* The CPU has AMX-BF16 (and AVX512-BF16) and the kernel granted this process its tile
  * state. */
 bool ro_amx_available(void);
-/* W runs on AMX when it is in use: bf16, inputs a multiple of 32, at least 16 rows. */
+/* W runs on AMX when it is in use: row-major bf16, or FP8 with its block scales where the
+ * CPU also has AVX512-VBMI; inputs a multiple of 32, at least 16 rows. */
 bool ro_amx_fits(const struct ro_mat *W);
+/* W runs on AMX (weights as B tiles) when it is in use: in panels, bf16 or FP8 with its
+ * block scales, inputs a multiple of 32 (FP8: at most 8,192). */
+bool ro_amx_panel_fits(const struct ro_mat *W);
 /* The AVX-512 kernels run W faster in panels: 16 rows at a time, each 32-bit word the
  * next 4 bytes of one row (two BF16 or four F8E4M3 inputs), word (p, q, i) = bytes
  * [4q, 4q + 4) of row 16p + i, so one 64-byte load is 16 rows x 2 or 4 inputs, widened in
  * registers and summed with broadcast inputs, no horizontal sums. Wanted for a row-major
  * BF16 (FP8) matrix of rows a multiple of 16 and cols of 2 (4) when the AVX-512 kernels
- * (not AMX) are in use. */
+ * are in use, with or without AMX (which runs the panels it fits itself). */
 bool ro_panel_wanted(const struct ro_mat *W);
 /* src (row-major rows x cols elements of es bytes) into dst in panels. */
 void ro_panel_pack(const void *src, uint32_t rows, uint32_t cols, size_t es, void *dst);
 /* The row-major index of element i of a panelled rows x cols matrix of es-byte elements. */
 uint64_t ro_panel_index(uint64_t i, uint32_t cols, size_t es);
-/* ro_gemm_ptrs on AMX; -1 (nothing written) when its packing buffer cannot be had. */
+/* ro_gemm_ptrs on AMX (row-major or in panels); -1 (nothing written) when its packing
+ * buffer cannot be had. */
 int ro_gemm_amx(const struct ro_mat *W, const float *const *x, uint32_t T, float *const *y,
 		uint32_t r0, uint32_t r1);
 /* Two matrices of the same shape on the same inputs (an expert's gate and up), the inputs

@@ -1,5 +1,5 @@
 /* The matrix kernels (kernels/cpu/gemm.c, amx.c) on their own: every kernel the CPU has
- * (portable, AVX2, AVX-512, AMX-BF16) against a float64 dot product, over shapes with
+ * (portable, AVX2, AVX-512, AMX-BF16), bf16 and FP8, against a float64 dot product, over shapes with
  * tails (rows not a multiple of 16, inputs not of 32, row ranges that start and end
  * anywhere) and token counts that take every tile width (1 to 70); and each token's output
  * bitwise the same whatever else is in the batch, where in the batch it is, and which row
@@ -47,16 +47,45 @@ static float bf16_f(uint16_t b)
 struct mat {
 	struct ro_mat W;
 	uint16_t *w;
+	uint8_t *w8; /* FP8 instead (e4m3fn, every code but NaN, subnormals too) */
+	float *scale;
+	void *wp; /* W's copy in panels, once mat_panel made it */
 	float **x, **y;
 	uint32_t T;
 };
 
-static void mat_new(struct mat *m, uint32_t rows, uint32_t cols, uint32_t T)
+/* a bf16 (fp8 false) or FP8 matrix, each 128 x 128 block of the latter with a scale of
+ * its own, and T tokens' inputs */
+static void mat_new_dt(struct mat *m, uint32_t rows, uint32_t cols, uint32_t T, bool fp8)
 {
-	m->w = malloc((size_t)rows * cols * 2);
-	for (size_t i = 0; i < (size_t)rows * cols; i++)
-		m->w[i] = to_bf16(frnd());
-	m->W = (struct ro_mat){.w = m->w, .dtype = RO_BF16, .rows = rows, .cols = cols};
+	m->w = NULL;
+	m->w8 = NULL;
+	m->scale = NULL;
+	m->wp = NULL;
+	if (fp8) {
+		const uint32_t sr = (rows + 127) / 128, sc = (cols + 127) / 128;
+
+		m->w8 = malloc((size_t)rows * cols);
+		for (size_t i = 0; i < (size_t)rows * cols; i++) {
+			m->w8[i] = (uint8_t)(rnd() & 0xff);
+			if ((m->w8[i] & 0x7f) == 0x7f)
+				m->w8[i] ^= 1;
+		}
+		m->scale = malloc((size_t)sr * sc * sizeof(float));
+		for (uint32_t i = 0; i < sr * sc; i++)
+			m->scale[i] = 1e-3f * (float)(1 + rnd() % 1000);
+		m->W = (struct ro_mat){.w = m->w8,
+				       .dtype = RO_F8E4M3,
+				       .rows = rows,
+				       .cols = cols,
+				       .scale = m->scale,
+				       .scale_cols = sc};
+	} else {
+		m->w = malloc((size_t)rows * cols * 2);
+		for (size_t i = 0; i < (size_t)rows * cols; i++)
+			m->w[i] = to_bf16(frnd());
+		m->W = (struct ro_mat){.w = m->w, .dtype = RO_BF16, .rows = rows, .cols = cols};
+	}
 	m->T = T;
 	m->x = malloc(T * sizeof(*m->x));
 	m->y = malloc(T * sizeof(*m->y));
@@ -70,6 +99,23 @@ static void mat_new(struct mat *m, uint32_t rows, uint32_t cols, uint32_t T)
 	}
 }
 
+static void mat_new(struct mat *m, uint32_t rows, uint32_t cols, uint32_t T)
+{
+	mat_new_dt(m, rows, cols, T, false);
+}
+
+/* W[r][k] exactly: bf16, or FP8 times its block's scale (4 + 24 significant bits: exact in
+ * a double) */
+static double mat_w(const struct mat *m, uint32_t r, uint32_t k)
+{
+	const size_t i = (size_t)r * m->W.cols + k;
+
+	if (m->w8)
+		return (double)ro_f8e4m3_to_f32(m->w8[i]) *
+		       m->scale[(r / 128) * m->W.scale_cols + k / 128];
+	return bf16_f(m->w[i]);
+}
+
 static void mat_free(struct mat *m)
 {
 	for (uint32_t t = 0; t < m->T; t++) {
@@ -79,6 +125,25 @@ static void mat_free(struct mat *m)
 	free(m->x);
 	free(m->y);
 	free(m->w);
+	free(m->w8);
+	free(m->scale);
+	free(m->wp);
+}
+
+/* W in the loader's panels from here on (as the loader copies it where the AVX-512 or AMX
+ * kernels run): false where its shape has none (rows not a multiple of 16) */
+static bool mat_panel(struct mat *m)
+{
+	const size_t es = m->w8 ? 1 : 2;
+
+	if (m->W.rows % 16 || m->W.cols % (m->w8 ? 4 : 2))
+		return false;
+	m->wp = malloc((size_t)m->W.rows * m->W.cols * es);
+	ro_panel_pack(m->w8 ? (const void *)m->w8 : (const void *)m->w, m->W.rows, m->W.cols, es,
+		      m->wp);
+	m->W.w = m->wp;
+	m->W.panel = true;
+	return true;
 }
 
 /* y against float64, relative to the sum of |products| (the scale f32 rounding works at) */
@@ -89,16 +154,15 @@ static void check_exact(const struct mat *m, uint32_t r0, uint32_t r1, const cha
 			double s = 0, mag = 0;
 
 			for (uint32_t k = 0; k < m->W.cols; k++) {
-				double p =
-				    (double)bf16_f(m->w[(size_t)r * m->W.cols + k]) * m->x[t][k];
+				double p = mat_w(m, r, k) * m->x[t][k];
 
 				s += p;
 				mag += fabs(p);
 			}
 			cr_assert(
 			    fabs(m->y[t][r] - s) <= 2e-5 * mag + 1e-30,
-			    "%s %s %ux%u T=%u: token %u row %u: %.9g, float64 %.9g (scale %g)",
-			    ro_kernels_name(), what, m->W.rows, m->W.cols, m->T, t, r, m->y[t][r],
+			    "%s %s %s %ux%u T=%u: token %u row %u: %.9g, float64 %.9g (scale %g)",
+			    ro_kernels_name(), m->w8 ? "fp8" : "bf16", what, m->W.rows, m->W.cols, m->T, t, r, m->y[t][r],
 			    s, mag);
 		}
 }
@@ -141,8 +205,11 @@ static void run_range(struct mat *m, uint32_t r0, uint32_t r1)
 
 Test(gemm, every_kernel_matches_float64)
 {
-	static const uint32_t shapes[][2] = {{16, 32},	 {40, 64}, {7, 96},   {64, 1024},
-					     {257, 256}, {33, 40}, {100, 288}};
+	/* (FP8: 160 and 288 end in part of a 128-input block, 96 and 160 in half a pair of
+	 * chunks; 257 rows, a partial 16-row tile astride a 128-row block) */
+	static const uint32_t shapes[][2] = {{16, 32},	 {40, 64},   {7, 96},	 {64, 1024},
+					     {257, 256}, {33, 40},   {100, 288}, {144, 160},
+					     {272, 96}};
 	/* every tile width, and past one AMX pass (256 tokens) */
 	static const uint32_t Ts[] = {1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 33, 70, 257, 300};
 	int ran = 0;
@@ -151,21 +218,28 @@ Test(gemm, every_kernel_matches_float64)
 		if (!use(caps[c]))
 			continue;
 		ran++;
-		for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+		for (size_t s = 0; s < 2 * sizeof(shapes) / sizeof(shapes[0]); s++)
 			for (size_t i = 0; i < sizeof(Ts) / sizeof(Ts[0]); i++) {
 				struct mat m;
-				const uint32_t R = shapes[s][0];
+				const size_t sh = s % (sizeof(shapes) / sizeof(shapes[0]));
+				const uint32_t R = shapes[sh][0];
 
-				if (Ts[i] > 100 && shapes[s][1] > 256)
+				if (Ts[i] > 100 && shapes[sh][1] > 256)
 					continue; /* (the float64 check's time) */
-				mat_new(&m, R, shapes[s][1], Ts[i]);
+				/* bf16, then FP8 */
+				mat_new_dt(&m, R, shapes[sh][1], Ts[i], s != sh);
 				/* most rows; then ranges of fewer than 16 at the end and inside,
 				 * whose tiles must start before them and store none of those */
-				run_range(&m, R > 20 ? 3 : 0, R > 20 ? R - 2 : R);
-				run_range(&m, R > 5 ? R - 5 : 0, R);
-				run_range(&m, R / 2, R / 2 + 1);
-				if (R >= 34)
-					run_range(&m, 17, 34);
+				for (int pan = 0; pan < 2; pan++) {
+					/* row-major, then in panels where the shape has them */
+					if (pan && !mat_panel(&m))
+						break;
+					run_range(&m, R > 20 ? 3 : 0, R > 20 ? R - 2 : R);
+					run_range(&m, R > 5 ? R - 5 : 0, R);
+					run_range(&m, R / 2, R / 2 + 1);
+					if (R >= 34)
+						run_range(&m, 17, 34);
+				}
 				mat_free(&m);
 			}
 	}
@@ -178,22 +252,33 @@ Test(gemm, every_kernel_matches_float64)
  * row ranges cut anywhere; and through ro_gemm_ptrs2 (gate and up on shared inputs). */
 Test(gemm, a_token_is_bitwise_the_same_in_any_batch)
 {
-	static const uint32_t shapes[][2] = {{64, 1024}, {48, 64}, {21, 32}, {256, 96}};
+	static const uint32_t shapes[][2] = {{64, 1024}, {48, 64}, {21, 32}, {256, 96}, {272, 384}};
 	int ran = 0;
 
 	for (size_t c = 0; c < 4; c++) {
 		if (!use(caps[c]))
 			continue;
 		ran++;
-		for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
-			const uint32_t R = shapes[s][0], K = shapes[s][1], T = 70;
+		for (size_t s = 0; s < 4 * sizeof(shapes) / sizeof(shapes[0]); s++) {
+			const size_t ns = sizeof(shapes) / sizeof(shapes[0]), sh = s % ns;
+			const uint32_t R = shapes[sh][0], K = shapes[sh][1], T = 70;
+			/* bf16, FP8; then both in panels */
+			const bool fp8 = (s / ns) & 1, pan = s / ns >= 2;
 			struct mat m, u;
 			float *alone = malloc(R * sizeof(float));
 			float *one = malloc(R * sizeof(float));
 			float **y2 = malloc(T * sizeof(*y2));
 
-			mat_new(&m, R, K, T);
-			mat_new(&u, R, K, 1);
+			mat_new_dt(&m, R, K, T, fp8);
+			mat_new_dt(&u, R, K, 1, fp8);
+			if (pan && (!mat_panel(&m) || !mat_panel(&u))) {
+				mat_free(&m);
+				mat_free(&u);
+				free(alone);
+				free(one);
+				free(y2);
+				continue;
+			}
 			for (uint32_t t = 0; t < T; t++)
 				y2[t] = malloc(R * sizeof(float));
 			for (uint32_t t = 0; t < T; t += 5) {
@@ -206,8 +291,9 @@ Test(gemm, a_token_is_bitwise_the_same_in_any_batch)
 				for (uint32_t n = t + 1; n <= T; n += 7) {
 					ro_gemm_ptrs(&m.W, (const float *const *)m.x, n, m.y, 0, R);
 					cr_assert_eq(memcmp(m.y[t], alone, R * sizeof(float)), 0,
-						     "%s %ux%u: token %u in a batch of %u differs",
-						     ro_kernels_name(), R, K, t, n);
+						     "%s %s%s %ux%u: token %u in a batch of %u differs",
+						     ro_kernels_name(), fp8 ? "fp8" : "bf16",
+						     pan ? " panels" : "", R, K, t, n);
 				}
 				/* rows in ranges cut at odd places */
 				for (uint32_t r0 = 0; r0 < R;) {
@@ -219,8 +305,9 @@ Test(gemm, a_token_is_bitwise_the_same_in_any_batch)
 					r0 = r1;
 				}
 				cr_assert_eq(memcmp(one, alone, R * sizeof(float)), 0,
-					     "%s %ux%u: token %u by row ranges differs",
-					     ro_kernels_name(), R, K, t);
+					     "%s %s%s %ux%u: token %u by row ranges differs",
+					     ro_kernels_name(), fp8 ? "fp8" : "bf16",
+					     pan ? " panels" : "", R, K, t);
 			}
 			/* two matrices on shared inputs: each bitwise its own call */
 			ro_gemm_ptrs(&m.W, (const float *const *)m.x, T, m.y, 0, R);
@@ -478,13 +565,32 @@ Test(gemm, norm_and_swiglu_bits)
 	ro_kernels_force_scalar(false);
 }
 
-/* The kernels this CPU runs, for the log: a machine with AMX must run it. */
+/* The kernels this CPU runs, for the log: a machine with AMX must run it, for bf16 and
+ * for FP8 with its block scales (the two tests above then check AMX's results). */
 Test(gemm, amx_runs_where_the_cpu_has_it)
 {
+	struct mat b, f;
+
 	ro_kernels_force_scalar(false);
 	cr_log_info("kernels: %s", ro_kernels_name());
-	if (ro_amx_available())
+	if (ro_amx_available()) {
 		cr_expect_str_eq(ro_kernels_name(), "amx-bf16+avx512+fma");
-	else
+		mat_new_dt(&b, 64, 1024, 1, false);
+		mat_new_dt(&f, 64, 1024, 1, true);
+		cr_expect(ro_amx_fits(&b.W));
+		cr_expect(ro_amx_fits(&f.W));
+		f.W.scale = NULL;
+		cr_expect(!ro_amx_fits(&f.W), "FP8 without its scales");
+		f.W.scale = f.scale;
+		/* the loader copies both into panels, which AMX runs as B tiles */
+		cr_expect(ro_panel_wanted(&b.W));
+		cr_expect(ro_panel_wanted(&f.W));
+		cr_assert(mat_panel(&b) && mat_panel(&f));
+		cr_expect(ro_amx_panel_fits(&b.W));
+		cr_expect(ro_amx_panel_fits(&f.W));
+		cr_expect(!ro_amx_fits(&f.W), "panels are not row-major tiles");
+		mat_free(&b);
+		mat_free(&f);
+	} else
 		cr_skip_test("no AMX-BF16 here (or the kernel did not grant it)");
 }

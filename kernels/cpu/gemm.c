@@ -974,7 +974,8 @@ static bool panel_runs(const struct ro_mat *W)
 
 bool ro_panel_wanted(const struct ro_mat *W)
 {
-	return kern_get() == 2 && !W->panel && W->rows && W->rows % 16 == 0 && W->cols &&
+	/* (with AMX too: it runs the panels of inputs a multiple of 32 as B tiles, amx.c) */
+	return kern_get() >= 2 && !W->panel && W->rows && W->rows % 16 == 0 && W->cols &&
 	       panel_cols_fit(W);
 }
 
@@ -1012,7 +1013,11 @@ void ro_gemm_ptrs(const struct ro_mat *W, const float *const *x, uint32_t T, flo
 {
 #if HAVE_X86
 	if (panel_runs(W)) {
-		/* (AVX-512 at load, or forced to the portable path since: w_at reads panels) */
+		/* (AVX-512 or AMX at load, or forced to the portable path since: w_at reads
+		 * panels). A panel AMX fits always runs there (batch invariance); only a failed
+		 * allocation of its packing buffer falls back. */
+		if (kern_get() == 3 && ro_amx_panel_fits(W) && !ro_gemm_amx(W, x, T, y, r0, r1))
+			return;
 		if (kern_get() >= 2)
 			gemm_panel512(W, x, T, y, r0, r1);
 		else
@@ -1040,8 +1045,11 @@ void ro_gemm_ptrs(const struct ro_mat *W, const float *const *x, uint32_t T, flo
 void ro_gemm_ptrs2(const struct ro_mat *W1, const struct ro_mat *W2, const float *const *x,
 		   uint32_t T, float *const *y1, float *const *y2, uint32_t r0, uint32_t r1)
 {
-	if (kern_get() == 3 && ro_amx_fits(W1) && ro_amx_fits(W2) && W1->cols == W2->cols &&
-	    W1->rows == W2->rows && !ro_gemm_amx2(W1, W2, x, T, y1, y2, r0, r1))
+	if (kern_get() == 3 &&
+	    ((ro_amx_fits(W1) && ro_amx_fits(W2)) ||
+	     (ro_amx_panel_fits(W1) && ro_amx_panel_fits(W2))) &&
+	    W1->cols == W2->cols && W1->rows == W2->rows && W1->dtype == W2->dtype &&
+	    !ro_gemm_amx2(W1, W2, x, T, y1, y2, r0, r1))
 		return;
 	const struct ro_mat *after = pf_after;
 

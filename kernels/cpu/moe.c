@@ -298,7 +298,8 @@ int ro_model_experts(struct ro_model *m, uint32_t l, const float *const *x,
 	}
 	k.p_gu = PANEL_GU;
 	k.p_d = PANEL_D;
-	if (ro_kernels_amx() && ro_amx_fits(&k.L->gate[act[0]])) {
+	if (ro_kernels_amx() &&
+	    (ro_amx_fits(&k.L->gate[act[0]]) || ro_amx_panel_fits(&k.L->gate[act[0]]))) {
 		/* whole experts, unless too few are active to give every thread two tasks
 		 * (batch 1 of a top-2 model on many threads): then panels of whole blocks */
 		const uint32_t want = 2 * P, per = (want + n_act - 1) / n_act;
