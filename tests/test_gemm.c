@@ -565,6 +565,45 @@ Test(gemm, norm_and_swiglu_bits)
 	ro_kernels_force_scalar(false);
 }
 
+/* On AMX the loader's panels (weights as B tiles) and row-major weights in place (as A
+ * tiles: `weights-hugepages false`) are the same products in the same order, bitwise: a
+ * model's logits do not depend on how its weights were loaded. */
+Test(gemm, amx_panels_are_the_row_major_bits)
+{
+	static const uint32_t shapes[][2] = {{64, 1024}, {144, 160}, {272, 96}, {32, 32}};
+	static const uint32_t Ts[] = {1, 3, 5, 16, 17, 40, 70};
+
+	ro_kernels_force_scalar(false);
+	if (!ro_kernels_amx()) {
+		cr_skip_test("no AMX-BF16 here (or the kernel did not grant it)");
+		return;
+	}
+	for (size_t s = 0; s < 2 * sizeof(shapes) / sizeof(shapes[0]); s++) {
+		const size_t ns = sizeof(shapes) / sizeof(shapes[0]), sh = s % ns;
+		const uint32_t R = shapes[sh][0], K = shapes[sh][1];
+
+		for (size_t i = 0; i < sizeof(Ts) / sizeof(Ts[0]); i++) {
+			struct mat m;
+			float **yr = malloc(Ts[i] * sizeof(*yr));
+
+			mat_new_dt(&m, R, K, Ts[i], s >= ns); /* bf16, then FP8 */
+			for (uint32_t t = 0; t < Ts[i]; t++)
+				yr[t] = malloc(R * sizeof(float));
+			ro_gemm_ptrs(&m.W, (const float *const *)m.x, Ts[i], yr, 0, R);
+			cr_assert(mat_panel(&m));
+			ro_gemm_ptrs(&m.W, (const float *const *)m.x, Ts[i], m.y, 0, R);
+			for (uint32_t t = 0; t < Ts[i]; t++) {
+				cr_assert_eq(memcmp(yr[t], m.y[t], R * sizeof(float)), 0,
+					     "%s %ux%u T=%u: token %u: panels differ from row-major",
+					     m.w8 ? "fp8" : "bf16", R, K, Ts[i], t);
+				free(yr[t]);
+			}
+			free(yr);
+			mat_free(&m);
+		}
+	}
+}
+
 /* The kernels this CPU runs, for the log: a machine with AMX must run it, for bf16 and
  * for FP8 with its block scales (the two tests above then check AMX's results). */
 Test(gemm, amx_runs_where_the_cpu_has_it)
