@@ -750,9 +750,9 @@ Test(model, avx2_kernels_match_reference)
 	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
 }
 
-/* The AVX-512 FMA kernels where AMX would run the bf16 matrices (RO_KERNELS=avx512 caps a
- * machine with AMX at them): bf16 against the reference. (tests/test_gemm checks every
- * kernel's batch invariance on its own.) */
+/* The AVX-512 FMA kernels where AMX would run the bf16 and FP8 matrices (RO_KERNELS=avx512
+ * caps a machine with AMX at them): bf16 and FP8 against the reference. (tests/test_gemm
+ * checks every kernel's batch invariance on its own.) */
 Test(model, avx512_kernels_match_reference)
 {
 	struct ro_model *m;
@@ -770,6 +770,7 @@ Test(model, avx512_kernels_match_reference)
 	ro_model_free(m);
 	agree_dir("q3bf16x", "BF16", false);
 	agree("mxbf16x", RO_ARCH_MIXTRAL, "BF16", 1, 0, false);
+	agree("q3fp8x", RO_ARCH_QWEN3_MOE, "FP8", 1, 0, false);
 	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
 }
 

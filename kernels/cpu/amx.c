@@ -837,7 +837,6 @@ INLINE AMX void pan_run(const struct pan *S, size_t K, bool f8, const uint16_t *
 	} else {
 		const size_t nkb = (K + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK, per = RO_FP8_BLOCK / 32;
 
-		memset(S->acc, 0, 1024 * sizeof(float));
 		for (size_t kb = 0; kb < nkb; kb++) {
 			const size_t k0 = kb * per, k1 = k0 + per < kcs ? k0 + per : kcs;
 
@@ -849,10 +848,14 @@ INLINE AMX void pan_run(const struct pan *S, size_t K, bool f8, const uint16_t *
 					float *a = S->acc + (2 * g + j) * 256;
 					const float *ct = c + (2 * g + j) * 256;
 
+					/* the first block's sum onto +0 (as every later one onto
+					 * the sums so far): no zeroing pass */
 					for (uint32_t t = 0; t < M; t++)
-						_mm512_store_ps(a + 16 * t,
-								_mm512_fmadd_ps(sv, _mm512_load_ps(ct + 16 * t),
-										_mm512_load_ps(a + 16 * t)));
+						_mm512_store_ps(
+						    a + 16 * t,
+						    _mm512_fmadd_ps(sv, _mm512_load_ps(ct + 16 * t),
+								    kb ? _mm512_load_ps(a + 16 * t)
+								       : _mm512_setzero_ps()));
 				}
 		}
 		out = S->acc;
