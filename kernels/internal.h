@@ -152,11 +152,12 @@ bool ro_kernels_amx(void);
 /* The CPU has AMX-BF16 (and AVX512-BF16) and the kernel granted this process its tile
  * state. */
 bool ro_amx_available(void);
-/* W runs on AMX when it is in use: row-major bf16, or FP8 with its block scales where the
- * CPU also has AVX512-VBMI; inputs a multiple of 32, at least 16 rows. */
+/* W runs on AMX when it is in use: row-major bf16, or FP8 with its block scales; inputs a
+ * multiple of 32, at least 16 rows. (AMX is used only where the CPU also has AVX512-VBMI,
+ * for FP8's byte tables: every AMX CPU has it.) */
 bool ro_amx_fits(const struct ro_mat *W);
 /* W runs on AMX (weights as B tiles) when it is in use: in panels, bf16 or FP8 with its
- * block scales, inputs a multiple of 32 (FP8: at most 8,192). */
+ * block scales, inputs a multiple of 32 (as ro_amx_fits for the same matrix row-major). */
 bool ro_amx_panel_fits(const struct ro_mat *W);
 /* The AVX-512 kernels run W faster in panels: 16 rows at a time, each 32-bit word the
  * next 4 bytes of one row (two BF16 or four F8E4M3 inputs), word (p, q, i) = bytes

@@ -345,6 +345,44 @@ Test(gemm, a_token_is_bitwise_the_same_in_any_batch)
 	ro_kernels_force_scalar(false);
 }
 
+/* Past one pass of 256 tokens (AMX packs a call's tokens 256 at a time): a token in the
+ * second pass is bitwise itself alone, bf16 and FP8, row-major and in panels. */
+Test(gemm, a_token_past_one_pass_is_itself_alone)
+{
+	static const uint32_t picks[] = {0, 15, 255, 256, 271, 299};
+	const uint32_t R = 272, K = 96, T = 300;
+	int ran = 0;
+
+	for (size_t c = 0; c < 4; c++) {
+		if (!use(caps[c]))
+			continue;
+		ran++;
+		for (int v = 0; v < 4; v++) {
+			struct mat m;
+			float *one = malloc(R * sizeof(float));
+
+			mat_new_dt(&m, R, K, T, v & 1);
+			if (v >= 2)
+				cr_assert(mat_panel(&m));
+			ro_gemm_ptrs(&m.W, (const float *const *)m.x, T, m.y, 0, R);
+			for (size_t i = 0; i < sizeof(picks) / sizeof(picks[0]); i++) {
+				const float *xt = m.x[picks[i]];
+
+				ro_gemm_ptrs(&m.W, &xt, 1, &one, 0, R);
+				cr_assert_eq(memcmp(one, m.y[picks[i]], R * sizeof(float)), 0,
+					     "%s %s%s: token %u of %u differs from itself alone",
+					     ro_kernels_name(), v & 1 ? "fp8" : "bf16",
+					     v >= 2 ? " panels" : "", picks[i], T);
+			}
+			free(one);
+			mat_free(&m);
+		}
+	}
+	cr_assert_geq(ran, 1);
+	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
+	ro_kernels_force_scalar(false);
+}
+
 /* The AVX-512 BF16 kernel's contract: each output element is one FMA chain in k order
  * (acc = w[k] x[k] + acc from 0), bitwise, whether the weights are row-major (packed into
  * panels a group at a time) or in the loader's panels (ro_panel_pack), for any rows (a
@@ -565,43 +603,53 @@ Test(gemm, norm_and_swiglu_bits)
 	ro_kernels_force_scalar(false);
 }
 
-/* On AMX the loader's panels (weights as B tiles) and row-major weights in place (as A
- * tiles: `weights-hugepages false`) are the same products in the same order, bitwise: a
- * model's logits do not depend on how its weights were loaded. */
-Test(gemm, amx_panels_are_the_row_major_bits)
+/* The loader's panels and row-major weights in place (`weights-hugepages false`, an EP
+ * rank's other experts) give the same bits wherever the AVX-512 kernels run, with AMX or
+ * without: on AMX, the panels as B tiles and row-major tiles as A are the same products in
+ * the same order; a shape AMX does not fit (inputs not a multiple of 32) runs the FMA panel
+ * kernel either way, as it does without AMX. So a model's logits do not depend on how its
+ * weights were loaded. */
+Test(gemm, panels_are_the_row_major_bits)
 {
-	static const uint32_t shapes[][2] = {{64, 1024}, {144, 160}, {272, 96}, {32, 32}};
+	static const uint32_t shapes[][2] = {{64, 1024}, {144, 160}, {272, 96},
+					     {32, 32},	 {32, 48},   {32, 200}, {16, 8320}};
 	static const uint32_t Ts[] = {1, 3, 5, 16, 17, 40, 70};
+	int ran = 0;
 
-	ro_kernels_force_scalar(false);
-	if (!ro_kernels_amx()) {
-		cr_skip_test("no AMX-BF16 here (or the kernel did not grant it)");
-		return;
-	}
-	for (size_t s = 0; s < 2 * sizeof(shapes) / sizeof(shapes[0]); s++) {
-		const size_t ns = sizeof(shapes) / sizeof(shapes[0]), sh = s % ns;
-		const uint32_t R = shapes[sh][0], K = shapes[sh][1];
+	for (size_t c = 2; c < 4; c++) {
+		if (!use(caps[c]))
+			continue;
+		ran++;
+		for (size_t s = 0; s < 2 * sizeof(shapes) / sizeof(shapes[0]); s++) {
+			const size_t ns = sizeof(shapes) / sizeof(shapes[0]), sh = s % ns;
+			const uint32_t R = shapes[sh][0], K = shapes[sh][1];
 
-		for (size_t i = 0; i < sizeof(Ts) / sizeof(Ts[0]); i++) {
-			struct mat m;
-			float **yr = malloc(Ts[i] * sizeof(*yr));
+			for (size_t i = 0; i < sizeof(Ts) / sizeof(Ts[0]); i++) {
+				struct mat m;
+				float **yr = malloc(Ts[i] * sizeof(*yr));
 
-			mat_new_dt(&m, R, K, Ts[i], s >= ns); /* bf16, then FP8 */
-			for (uint32_t t = 0; t < Ts[i]; t++)
-				yr[t] = malloc(R * sizeof(float));
-			ro_gemm_ptrs(&m.W, (const float *const *)m.x, Ts[i], yr, 0, R);
-			cr_assert(mat_panel(&m));
-			ro_gemm_ptrs(&m.W, (const float *const *)m.x, Ts[i], m.y, 0, R);
-			for (uint32_t t = 0; t < Ts[i]; t++) {
-				cr_assert_eq(memcmp(yr[t], m.y[t], R * sizeof(float)), 0,
-					     "%s %ux%u T=%u: token %u: panels differ from row-major",
-					     m.w8 ? "fp8" : "bf16", R, K, Ts[i], t);
-				free(yr[t]);
+				mat_new_dt(&m, R, K, Ts[i], s >= ns); /* bf16, then FP8 */
+				for (uint32_t t = 0; t < Ts[i]; t++)
+					yr[t] = malloc(R * sizeof(float));
+				ro_gemm_ptrs(&m.W, (const float *const *)m.x, Ts[i], yr, 0, R);
+				cr_assert(mat_panel(&m));
+				ro_gemm_ptrs(&m.W, (const float *const *)m.x, Ts[i], m.y, 0, R);
+				for (uint32_t t = 0; t < Ts[i]; t++) {
+					cr_assert_eq(
+					    memcmp(yr[t], m.y[t], R * sizeof(float)), 0,
+					    "%s %s %ux%u T=%u: token %u: panels differ from row-major",
+					    ro_kernels_name(), m.w8 ? "fp8" : "bf16", R, K, Ts[i], t);
+					free(yr[t]);
+				}
+				free(yr);
+				mat_free(&m);
 			}
-			free(yr);
-			mat_free(&m);
 		}
 	}
+	if (!ran)
+		cr_log_info("no AVX-512: the loader makes no panels here");
+	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
+	ro_kernels_force_scalar(false);
 }
 
 /* The kernels this CPU runs, for the log: a machine with AMX must run it, for bf16 and

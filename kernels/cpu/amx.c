@@ -476,7 +476,7 @@ INLINE AMX void block(const struct ablk *A, size_t K, const uint32_t *p, const i
 	const size_t nkb = (K + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK, per = RO_FP8_BLOCK / 32;
 	float *acc = A->acc;
 
-	memset(acc, 0, (size_t)(G > 1 ? 4 : 2) * 256 * sizeof(float));
+	memset(acc, 0, (size_t)(G > 1 ? 4 : 2) * 256 * sizeof(float)); /* (tiles i + 2g) */
 	for (size_t kb = 0; kb < nkb; kb++) {
 		const size_t k0 = kb * per, k1 = k0 + per < kcs ? k0 + per : kcs;
 
@@ -747,7 +747,7 @@ struct pan {
 	const uint16_t *b[2]; /* or their B tiles converted whole (FP8, several groups) */
 	const uint8_t *f8[2]; /* or an FP8 panel, converted a chunk at a time into bk */
 	uint16_t *bk;	      /* 2 x 2 KiB: chunk kc's B tiles at bk + (kc & 1) * 1024 */
-	float s[2][64];	      /* FP8: the scale of panel j for each input block (<= 64) */
+	const float *s[2];    /* FP8: panel j's scales, one per input block */
 	float *acc;	      /* FP8: 4 x 256 floats, C tile t's sums at acc + 256 t */
 };
 
@@ -878,8 +878,7 @@ INLINE AMX void pan_run(const struct pan *S, size_t K, bool f8, const uint16_t *
 bool ro_amx_panel_fits(const struct ro_mat *W)
 {
 	return W->panel && W->cols % 32 == 0 &&
-	       (W->dtype == RO_BF16 ||
-		(W->dtype == RO_F8E4M3 && W->scale && W->cols <= 64 * RO_FP8_BLOCK));
+	       (W->dtype == RO_BF16 || (W->dtype == RO_F8E4M3 && W->scale));
 }
 
 /* ro_gemm_amx's work for nm (1 or 2) panelled matrices of one shape and dtype */
@@ -897,10 +896,10 @@ static AMX int gemm_amx_pan(const struct ro_mat *const *Ws, float *const *const 
 	uint16_t *pa, *bw = NULL, *bk = NULL;
 	struct pan S;
 
-	pa = ro_thread_scratch((size_t)(tok / 16) * kcs * 2048 + f8_bytes + 64);
+	pa = ro_thread_scratch((size_t)(tok / 16) * kcs * 2048 + f8_bytes);
 	if (!pa && tok > 16) {
 		tok = 16;
-		pa = ro_thread_scratch(kcs * 2048 + f8_bytes + 64);
+		pa = ro_thread_scratch(kcs * 2048 + f8_bytes);
 	}
 	if (!pa)
 		return -1;
@@ -959,10 +958,8 @@ static AMX int gemm_amx_pan(const struct ro_mat *const *Ws, float *const *const 
 						S.w[j] = pj;
 						continue;
 					}
-					for (size_t kb = 0; kb * RO_FP8_BLOCK < K; kb++)
-						S.s[j][kb] = W->scale[((p + j) * 16 / RO_FP8_BLOCK) *
-									  W->scale_cols +
-								      kb];
+					S.s[j] = W->scale +
+						 (size_t)((p + j) * 16 / RO_FP8_BLOCK) * W->scale_cols;
 					if (ng > 2) {
 						/* several groups: the pair converted once */
 						f8_pan(pj, 0, kcs, bw + j * kcs * 512);

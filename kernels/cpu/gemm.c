@@ -956,8 +956,9 @@ static AVX512 void gemm_panel512(const struct ro_mat *W, const float *const *x, 
 #endif
 
 /* The panel kernel runs W: it is in panels, or BF16 (FP8) with cols a multiple of 2 (4)
- * under AVX-512 (not AMX: that machine runs its own kernels, and batch invariance needs one
- * choice per matrix). */
+ * under AVX-512, and with AMX where AMX does not fit it (one choice per matrix, the same
+ * whether the weights are in panels or row-major: batch invariance, and the same bits
+ * however the weights were loaded). */
 static bool panel_cols_fit(const struct ro_mat *W)
 {
 	return (W->dtype == RO_BF16 && W->cols % 2 == 0) ||
@@ -968,7 +969,10 @@ static bool panel_cols_fit(const struct ro_mat *W)
 /* (x86 only: elsewhere every matrix, in panels or not, runs the portable kernel) */
 static bool panel_runs(const struct ro_mat *W)
 {
-	return W->panel || (kern_get() == 2 && panel_cols_fit(W));
+	/* with AMX, a row-major matrix it does not fit runs the panel kernel too: its bits
+	 * are then those of its panelled copy, however the weights were loaded */
+	return W->panel ||
+	       (kern_get() >= 2 && panel_cols_fit(W) && !(kern_get() == 3 && ro_amx_fits(W)));
 }
 #endif
 
