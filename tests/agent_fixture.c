@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -93,17 +94,50 @@ void ro_test_agent_start(struct ro_test_agent *ag, const char *dir, const char *
 /* SIGTERM once the agent handles it. One sent while the process is still starting, before
  * main installed its handler (a sanitized start under load takes a while), would kill it
  * outright: wait, bounded, until /proc says SIGTERM is caught or blocked, or the process is
- * gone. */
+ * gone. Before that, until the child has exec'd rolloutd at all: between fork and exec it
+ * is still this test process, whose handlers and mask /proc shows too (Criterion's), and a
+ * SIGTERM there ran the test runner's handler in the child (it exited 1, died, or hung
+ * past the wait: seen when the units were all done before the second agent started). And
+ * until the agent has logged its first line: before main, libinfinipath (loaded with
+ * Debian's libfabric) catches SIGTERM with a handler that exits 1, so a caught SIGTERM
+ * alone does not say main's handler is the one; main installs its own before it logs. */
 void ro_test_agent_term(const struct ro_test_agent *ag)
 {
-	char path[64], line[256];
+	char path[64], line[256], self[4096] = "", exe[64], child[4096];
+	ssize_t ns = readlink("/proc/self/exe", self, sizeof(self) - 1);
 
 	if (ag->pid <= 0)
 		return;
+	if (ns > 0)
+		self[ns] = 0;
 	(void)snprintf(path, sizeof(path), "/proc/%d/status", (int)ag->pid);
+	(void)snprintf(exe, sizeof(exe), "/proc/%d/exe", (int)ag->pid);
 	for (int i = 0; i < 3000; i++) {
-		FILE *f = fopen(path, "r");
-		bool handled = false, zombie = !f;
+		FILE *f;
+		bool handled = false, zombie;
+		ssize_t nc = readlink(exe, child, sizeof(child) - 1);
+
+		if (nc > 0 && ns > 0 && (size_t)nc == (size_t)ns && !memcmp(child, self, (size_t)ns)) {
+			ro_test_msleep(20); /* not exec'd yet */
+			continue;
+		}
+		f = fopen(path, "r");
+		zombie = !f;
+		if (f) {
+			struct stat st;
+
+			if (stat(ag->log, &st) || st.st_size == 0) {
+				/* not logged yet (unless it is already gone) */
+				while (fgets(line, sizeof(line), f))
+					if (!strncmp(line, "State:", 6) && strchr(line, 'Z'))
+						zombie = true;
+				fclose(f);
+				if (zombie)
+					break;
+				ro_test_msleep(20);
+				continue;
+			}
+		}
 
 		while (f && fgets(line, sizeof(line), f)) {
 			unsigned long long m;
@@ -143,9 +177,10 @@ int ro_test_agent_wait_exit(struct ro_test_agent *ag, long ms)
 
 void ro_test_agent_dump_log(const struct ro_test_agent *ag)
 {
-	char cmd[256];
+	char cmd[2 * sizeof(ag->log) + 64];
 
-	(void)snprintf(cmd, sizeof(cmd), "tail -n 30 %s >&2", ag->log);
+	(void)snprintf(cmd, sizeof(cmd), "echo '--- %s (last 30 lines):' >&2; tail -n 30 %s >&2",
+		       ag->log, ag->log);
 	(void)system(cmd);
 }
 

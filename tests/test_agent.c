@@ -397,11 +397,53 @@ static void drain_by(const char *how)
 	/* bounded generously: on a busy 2-core box the other tests share the CPU */
 	cr_assert(wait_done(c, q, 6, 200000), "%s: the requeued units complete elsewhere", how);
 	ro_test_agent_term(&b);
-	cr_expect_eq(ro_test_agent_wait_exit(&b, 10000), 0);
+	rc = ro_test_agent_wait_exit(&b, 10000);
+	if (rc)
+		ro_test_agent_dump_log(&b);
+	cr_expect_eq(rc, 0, "%s: the second agent exits 0 (%d)", how, rc);
 	ro_test_verify_exactly_once(c, q, 6, 2);
 	if (mk.pid)
 		ro_test_mock_stop(&mk);
 	redisFree(c);
+}
+
+/* Crashes stay crashes: Debian's libfabric loads libinfinipath, whose constructor catches
+ * SIGSEGV, SIGBUS, SIGILL, SIGFPE and SIGABRT (and SIGTERM) with handlers that print a line
+ * and exit 1; rolloutd puts the crash signals back to their default action (a core, and
+ * the signal in systemd's record), and SIGTERM is its own. (Under the sanitizers their
+ * runtime catches SIGSEGV itself.) */
+Test(agent, crash_signals_keep_their_default, .timeout = 120)
+{
+	struct ro_test_agent a;
+	char q[64], path[64], line[256];
+	unsigned long long cgt = 0;
+	FILE *f;
+	int rc;
+
+	ro_test_name("sigs", q, sizeof(q));
+	start(&a, "a", q, (const char *const[]){"--imds", "false", NULL}, NULL);
+	for (int i = 0; i < 600 && ro_test_agent_field(&a, "in_flight") < 0; i++)
+		ro_test_msleep(50);
+	cr_assert_geq(ro_test_agent_field(&a, "in_flight"), 0, "the agent answers status");
+	(void)snprintf(path, sizeof(path), "/proc/%d/status", (int)a.pid);
+	f = fopen(path, "r");
+	cr_assert_not_null(f);
+	while (fgets(line, sizeof(line), f))
+		(void)sscanf(line, "SigCgt: %llx", &cgt);
+	fclose(f);
+	cr_expect(cgt & (1ULL << (SIGTERM - 1)), "SIGTERM caught");
+	if (!getenv("RO_SANITIZED"))
+		for (int s = 0; s < 5; s++) {
+			const int sig = (int[]){SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}[s];
+
+			cr_expect(!(cgt & (1ULL << (sig - 1))), "signal %d caught (SigCgt %llx)", sig,
+				  cgt);
+		}
+	ro_test_agent_term(&a);
+	rc = ro_test_agent_wait_exit(&a, 30000);
+	if (rc)
+		ro_test_agent_dump_log(&a);
+	cr_expect_eq(rc, 0);
 }
 
 Test(agent, drain_on_sigterm, .timeout = 300)
