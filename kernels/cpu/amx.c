@@ -324,11 +324,8 @@ struct ablk {
  * L1 sets */
 #define KBUF_LD (RO_FP8_BLOCK + 32)
 
-/* The C tiles for chunks [k0, k1), zeroed first; a0 and a1 (sa bytes a row) hold the
- * weights' chunks from koff on */
-INLINE AMX void chunks(const uint16_t *a0, const uint16_t *a1, size_t sa, size_t koff,
-		       size_t kcs, size_t k0, size_t k1, const uint32_t *p, const int R,
-		       const int G, uint32_t N, const char *nx, uint32_t nx_lines)
+/* The C tiles of R row tiles (panels) x G groups zeroed: tile i + 2g */
+INLINE AMX void c_zero(const int R, const int G)
 {
 	_tile_zero(0);
 	if (R > 1)
@@ -338,10 +335,38 @@ INLINE AMX void chunks(const uint16_t *a0, const uint16_t *a1, size_t sa, size_t
 		if (R > 1)
 			_tile_zero(3);
 	}
+}
+
+/* The C tiles stored into c (tile t at c + 256 t, rows stride bytes apart) */
+INLINE AMX void c_store(float *c, const int R, const int G, size_t stride)
+{
+	_tile_stored(0, c, stride);
+	if (R > 1)
+		_tile_stored(1, c + 256, stride);
+	if (G > 1) {
+		_tile_stored(2, c + 512, stride);
+		if (R > 1)
+			_tile_stored(3, c + 768, stride);
+	}
+}
+
+/* Chunk kc's share of the next block's lines (nx_lines of them), asked into L2 */
+INLINE void ask_next(const char *nx, size_t kc, uint32_t nx_lines)
+{
+	if (nx)
+		for (uint32_t i = 0; i < nx_lines; i++)
+			_mm_prefetch(nx + (kc * nx_lines + i) * 64, _MM_HINT_T1);
+}
+
+/* The C tiles for chunks [k0, k1), zeroed first; a0 and a1 (sa bytes a row) hold the
+ * weights' chunks from koff on */
+INLINE AMX void chunks(const uint16_t *a0, const uint16_t *a1, size_t sa, size_t koff,
+		       size_t kcs, size_t k0, size_t k1, const uint32_t *p, const int R,
+		       const int G, uint32_t N, const char *nx, uint32_t nx_lines)
+{
+	c_zero(R, G);
 	for (size_t kc = k0; kc < k1; kc++) {
-		if (nx)
-			for (uint32_t i = 0; i < nx_lines; i++)
-				_mm_prefetch(nx + (kc * nx_lines + i) * 64, _MM_HINT_T1);
+		ask_next(nx, kc, nx_lines);
 		_tile_loadd(4, a0 + (kc - koff) * 32, sa);
 		if (R > 1)
 			_tile_loadd(5, a1 + (kc - koff) * 32, sa);
@@ -458,14 +483,7 @@ INLINE AMX void block(const struct ablk *A, size_t K, const uint32_t *p, const i
 
 	if (!A->sc) {
 		chunks(A->a[0], A->a[1], A->sa, 0, kcs, 0, kcs, p, R, G, N, nx, nx_lines);
-		_tile_stored(0, c, 64);
-		if (R > 1)
-			_tile_stored(1, c + 256, 64);
-		if (G > 1) {
-			_tile_stored(2, c + 512, 64);
-			if (R > 1)
-				_tile_stored(3, c + 768, 64);
-		}
+		c_store(c, R, G, 64);
 		for (int g = 0; g < G; g++)
 			for (int i = 0; i < R; i++)
 				unpack16(c + (i + 2 * g) * 256, y + g * 16,
@@ -489,14 +507,7 @@ INLINE AMX void block(const struct ablk *A, size_t K, const uint32_t *p, const i
 		} else {
 			chunks(A->a[0], A->a[1], A->sa, 0, kcs, k0, k1, p, R, G, N, nx, nx_lines);
 		}
-		_tile_stored(0, c, N * 4);
-		if (R > 1)
-			_tile_stored(1, c + 256, N * 4);
-		if (G > 1) {
-			_tile_stored(2, c + 512, N * 4);
-			if (R > 1)
-				_tile_stored(3, c + 768, N * 4);
-		}
+		c_store(c, R, G, N * 4);
 		for (int g = 0; g < G; g++)
 			for (int i = 0; i < R; i++)
 				scale_add(c + (i + 2 * g) * 256, A->sc + (i * nkb + kb) * 16,
@@ -757,18 +768,9 @@ INLINE AMX void pan_chunks(const struct pan *S, size_t k0, size_t k1, const uint
 			   size_t kcs, const int P, const int G, const char *nx,
 			   uint32_t nx_lines)
 {
-	_tile_zero(0);
-	if (P > 1)
-		_tile_zero(1);
-	if (G > 1) {
-		_tile_zero(2);
-		if (P > 1)
-			_tile_zero(3);
-	}
+	c_zero(P, G);
 	for (size_t kc = k0; kc < k1; kc++) {
-		if (nx)
-			for (uint32_t i = 0; i < nx_lines; i++)
-				_mm_prefetch(nx + (kc * nx_lines + i) * 64, _MM_HINT_T1);
+		ask_next(nx, kc, nx_lines);
 		if (S->w[0]) {
 			_tile_loadd(6, S->w[0] + kc * 1024, 64);
 			if (P > 1)
@@ -810,19 +812,6 @@ INLINE AMX void pan_chunks(const struct pan *S, size_t k0, size_t k1, const uint
 	}
 }
 
-/* C tiles into c (tile t at c + 256 t, 16 floats a token) */
-INLINE AMX void pan_store(float *c, const int P, const int G)
-{
-	_tile_stored(0, c, 64);
-	if (P > 1)
-		_tile_stored(1, c + 256, 64);
-	if (G > 1) {
-		_tile_stored(2, c + 512, 64);
-		if (P > 1)
-			_tile_stored(3, c + 768, 64);
-	}
-}
-
 /* Panels p, p + 1 (P) x groups (G, nt tokens in all, M a tile) into y: rows [r0, r1) only */
 INLINE AMX void pan_run(const struct pan *S, size_t K, bool f8, const uint16_t *pa, const int P,
 			const int G, uint32_t M, uint32_t nt, float *const *y, uint32_t p,
@@ -833,7 +822,7 @@ INLINE AMX void pan_run(const struct pan *S, size_t K, bool f8, const uint16_t *
 
 	if (!f8) {
 		pan_chunks(S, 0, kcs, pa, kcs, P, G, nx, nx_lines);
-		pan_store(c, P, G);
+		c_store(c, P, G, 64);
 	} else {
 		const size_t nkb = (K + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK, per = RO_FP8_BLOCK / 32;
 
@@ -841,7 +830,7 @@ INLINE AMX void pan_run(const struct pan *S, size_t K, bool f8, const uint16_t *
 			const size_t k0 = kb * per, k1 = k0 + per < kcs ? k0 + per : kcs;
 
 			pan_chunks(S, k0, k1, pa, kcs, P, G, nx, nx_lines);
-			pan_store(c, P, G);
+			c_store(c, P, G, 64);
 			for (int g = 0; g < G; g++)
 				for (int j = 0; j < P; j++) {
 					const __m512 sv = _mm512_set1_ps(S->s[j][kb]);
