@@ -141,7 +141,6 @@ static AMX void config_pan(uint32_t M)
 	tiles_n = 0x100 + M;
 }
 
-
 /* 16 x 16 dwords transposed in registers: r[i][j] -> r[j][i] */
 INLINE AMX void tr16(__m512i r[16])
 {
@@ -307,9 +306,8 @@ struct rows16 {
  * matrix's, converted exactly (f8_rows), come either so, the whole block at once (where
  * several calls of 32 tokens reuse it), or as f8[i], its rows in place (K8 bytes apart),
  * each block of 128 inputs converted into kbuf just before its tiles load it (one call:
- * the converted rows stay in L1, and the conversion of one block overlaps the tiles of
- * the last). sc[(i * nkb + kb) * 16 + j] is the scale of row j of tile i for input block
- * kb, and acc, 16 x 16 floats per C tile, where the blocks' scaled sums add up. */
+ * the converted rows stay in L1). sc[(i * nkb + kb) * 16 + j] is the scale of row j of tile i for
+ * input block kb, and acc, 16 x 16 floats per C tile, where the blocks' scaled sums add up. */
 struct ablk {
 	const uint16_t *a[2];
 	size_t sa;
@@ -360,9 +358,9 @@ INLINE void ask_next(const char *nx, size_t kc, uint32_t nx_lines)
 
 /* The C tiles for chunks [k0, k1), zeroed first; a0 and a1 (sa bytes a row) hold the
  * weights' chunks from koff on */
-INLINE AMX void chunks(const uint16_t *a0, const uint16_t *a1, size_t sa, size_t koff,
-		       size_t kcs, size_t k0, size_t k1, const uint32_t *p, const int R,
-		       const int G, uint32_t N, const char *nx, uint32_t nx_lines)
+INLINE AMX void chunks(const uint16_t *a0, const uint16_t *a1, size_t sa, size_t koff, size_t kcs,
+		       size_t k0, size_t k1, const uint32_t *p, const int R, const int G,
+		       uint32_t N, const char *nx, uint32_t nx_lines)
 {
 	c_zero(R, G);
 	for (size_t kc = k0; kc < k1; kc++) {
@@ -412,19 +410,44 @@ static void f8_tables(void)
 		for (int r = 0; r < 4; r++)
 			for (int j = 0; j < 2; j++) {
 				f8_pperm[16 * L + 2 * r + j] = (uint8_t)(4 * (4 * L + r) + j);
-				f8_pperm[16 * L + 8 + 2 * r + j] = (uint8_t)(4 * (4 * L + r) + 2 + j);
+				f8_pperm[16 * L + 8 + 2 * r + j] =
+				    (uint8_t)(4 * (4 * L + r) + 2 + j);
 			}
 }
 
+/* The byte tables in registers, and the byte order the caller wants (f8_perm for rows in
+ * input order, f8_pperm for a panel's B rows) */
+struct f8tab {
+	__m512i hi0, hi1, lo0, lo1, perm, sign;
+};
+
+INLINE AMX struct f8tab f8_tab(const uint8_t *perm)
+{
+	return (struct f8tab){_mm512_loadu_si512(f8_hi), _mm512_loadu_si512(f8_hi + 64),
+			      _mm512_loadu_si512(f8_lo), _mm512_loadu_si512(f8_lo + 64),
+			      _mm512_loadu_si512(perm),	 _mm512_set1_epi8((char)0x80)};
+}
+
+/* 64 FP8 bytes as 64 bf16, in six operations (a byte permute, two table lookups, the sign,
+ * two unpacks): the first 32 words into *w0, the others into *w1, in t's byte order */
+INLINE AMX void f8_words(const struct f8tab *t, __m512i b, __m512i *w0, __m512i *w1)
+{
+	__m512i hi, lo;
+
+	b = _mm512_permutexvar_epi8(t->perm, b);
+	hi = _mm512_permutex2var_epi8(t->hi0, b, t->hi1);
+	hi = _mm512_ternarylogic_epi32(hi, b, t->sign, 0xf8); /* hi | (b & 0x80) */
+	lo = _mm512_permutex2var_epi8(t->lo0, b, t->lo1);
+	*w0 = _mm512_unpacklo_epi8(lo, hi);
+	*w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
 /* Inputs [0, w) (w a multiple of 32) of n FP8 rows (K8 bytes apart at src) as bf16 at dst,
- * lda elements a row: 64 weights in six operations (a byte permute, two table lookups,
- * the sign, two unpacks) */
+ * lda elements a row */
 INLINE AMX void f8_rows(const uint8_t *src, size_t K8, uint32_t n, size_t w, uint16_t *dst,
 			size_t lda)
 {
-	const __m512i thi0 = _mm512_loadu_si512(f8_hi), thi1 = _mm512_loadu_si512(f8_hi + 64),
-		      tlo0 = _mm512_loadu_si512(f8_lo), tlo1 = _mm512_loadu_si512(f8_lo + 64),
-		      perm = _mm512_loadu_si512(f8_perm), sign = _mm512_set1_epi8((char)0x80);
+	const struct f8tab t = f8_tab(f8_perm);
 
 	for (uint32_t r = 0; r < n; r++) {
 		const uint8_t *s = src + (size_t)r * K8;
@@ -432,24 +455,23 @@ INLINE AMX void f8_rows(const uint8_t *src, size_t K8, uint32_t n, size_t w, uin
 
 		for (size_t k = 0; k < w; k += 64) {
 			const bool half = w - k < 64;
-			__m512i b = half ? _mm512_maskz_loadu_epi8(0xffffffffull, s + k)
-					 : _mm512_loadu_si512(s + k);
-			__m512i hi, lo;
+			__m512i w0, w1;
 
-			b = _mm512_permutexvar_epi8(perm, b);
-			hi = _mm512_permutex2var_epi8(thi0, b, thi1);
-			hi = _mm512_ternarylogic_epi32(hi, b, sign, 0xf8); /* hi | (b & 0x80) */
-			lo = _mm512_permutex2var_epi8(tlo0, b, tlo1);
-			_mm512_storeu_si512(d + k, _mm512_unpacklo_epi8(lo, hi));
+			f8_words(&t,
+				 half ? _mm512_maskz_loadu_epi8(0xffffffffull, s + k)
+				      : _mm512_loadu_si512(s + k),
+				 &w0, &w1);
+			_mm512_storeu_si512(d + k, w0);
 			if (!half)
-				_mm512_storeu_si512(d + k + 32, _mm512_unpackhi_epi8(lo, hi));
+				_mm512_storeu_si512(d + k + 32, w1);
 		}
 	}
 }
 
 /* C tile t (i + 2g) stored N floats a row (16 rows, contiguous), times each row's scale
- * s (16 floats) into acc: element (j, n) is float j N + n of both */
-INLINE AMX void scale_add(const float *c, const float *s, float *acc, uint32_t N)
+ * s (16 floats) into acc: element (j, n) is float j N + n of both. The first block's onto
+ * +0 (as the panels' are), so acc needs no zeroing. */
+INLINE AMX void scale_add(const float *c, const float *s, float *acc, uint32_t N, bool first)
 {
 	const __m512 sv = _mm512_loadu_ps(s);
 	const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -459,10 +481,10 @@ INLINE AMX void scale_add(const float *c, const float *s, float *acc, uint32_t N
 		const __m512i row =
 		    _mm512_srli_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32((int)(16 * v))), sh);
 
-		_mm512_store_ps(acc + 16 * v,
-				_mm512_fmadd_ps(_mm512_permutexvar_ps(row, sv),
-						_mm512_load_ps(c + 16 * v),
-						_mm512_load_ps(acc + 16 * v)));
+		_mm512_store_ps(
+		    acc + 16 * v,
+		    _mm512_fmadd_ps(_mm512_permutexvar_ps(row, sv), _mm512_load_ps(c + 16 * v),
+				    first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 16 * v)));
 	}
 }
 
@@ -475,9 +497,9 @@ INLINE AMX void scale_add(const float *c, const float *s, float *acc, uint32_t N
  * sets.) FP8: C restarts at each block of 128 inputs and is added into acc times the
  * block's scale (one FMA per element and block, in block order), so that the f8 x bf16
  * products stay exact as they are in bf16. */
-INLINE AMX void block(const struct ablk *A, size_t K, const uint32_t *p, const int R,
-		      const int G, uint32_t N, uint32_t nt, float *const *y,
-		      const struct rows16 *rt, float *c, const char *nx, uint32_t nx_lines)
+INLINE AMX void block(const struct ablk *A, size_t K, const uint32_t *p, const int R, const int G,
+		      uint32_t N, uint32_t nt, float *const *y, const struct rows16 *rt, float *c,
+		      const char *nx, uint32_t nx_lines)
 {
 	const size_t kcs = K / 32;
 
@@ -494,7 +516,6 @@ INLINE AMX void block(const struct ablk *A, size_t K, const uint32_t *p, const i
 	const size_t nkb = (K + RO_FP8_BLOCK - 1) / RO_FP8_BLOCK, per = RO_FP8_BLOCK / 32;
 	float *acc = A->acc;
 
-	memset(acc, 0, (size_t)(G > 1 ? 4 : 2) * 256 * sizeof(float)); /* (tiles i + 2g) */
 	for (size_t kb = 0; kb < nkb; kb++) {
 		const size_t k0 = kb * per, k1 = k0 + per < kcs ? k0 + per : kcs;
 
@@ -511,7 +532,7 @@ INLINE AMX void block(const struct ablk *A, size_t K, const uint32_t *p, const i
 		for (int g = 0; g < G; g++)
 			for (int i = 0; i < R; i++)
 				scale_add(c + (i + 2 * g) * 256, A->sc + (i * nkb + kb) * 16,
-					  acc + (i + 2 * g) * 256, N);
+					  acc + (i + 2 * g) * 256, N, kb == 0);
 	}
 	for (int g = 0; g < G; g++)
 		for (int i = 0; i < R; i++) {
@@ -726,7 +747,8 @@ INLINE AMX void pack_pan(const float *const *x, uint32_t nt, uint32_t M, size_t 
 			const __m512 a = _mm512_loadu_ps(x[t] + kc * 32),
 				     b = _mm512_loadu_ps(x[t] + kc * 32 + 16);
 			const __m512i hb = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-			const __m512 ra = _mm512_sub_ps(a, bf_lo(hb)), rb = _mm512_sub_ps(b, bf_hi(hb));
+			const __m512 ra = _mm512_sub_ps(a, bf_lo(hb)),
+				     rb = _mm512_sub_ps(b, bf_hi(hb));
 
 			_mm512_storeu_si512(ph + t * 32, hb);
 			_mm512_storeu_si512(pl + t * 32, (__m512i)_mm512_cvtne2ps_pbh(rb, ra));
@@ -737,24 +759,20 @@ INLINE AMX void pack_pan(const float *const *x, uint32_t nt, uint32_t M, size_t 
 /* An FP8 panel's chunks [k0, k1) (512 bytes each at src) as B tiles at dst (1 KiB each) */
 INLINE AMX void f8_pan(const uint8_t *src, size_t k0, size_t k1, uint16_t *dst)
 {
-	const __m512i thi0 = _mm512_loadu_si512(f8_hi), thi1 = _mm512_loadu_si512(f8_hi + 64),
-		      tlo0 = _mm512_loadu_si512(f8_lo), tlo1 = _mm512_loadu_si512(f8_lo + 64),
-		      perm = _mm512_loadu_si512(f8_pperm), sign = _mm512_set1_epi8((char)0x80);
+	const struct f8tab t = f8_tab(f8_pperm);
 
 	for (size_t q = k0 * 8; q < k1 * 8; q++) {
-		const __m512i b = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(src + q * 64));
-		const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(thi0, b, thi1),
-							     b, sign, 0xf8),
-			      lo = _mm512_permutex2var_epi8(tlo0, b, tlo1);
+		__m512i w0, w1;
 
-		_mm512_store_si512(dst + (q - k0 * 8) * 64, _mm512_unpacklo_epi8(lo, hi));
-		_mm512_store_si512(dst + (q - k0 * 8) * 64 + 32, _mm512_unpackhi_epi8(lo, hi));
+		f8_words(&t, _mm512_loadu_si512(src + q * 64), &w0, &w1);
+		_mm512_store_si512(dst + (q - k0 * 8) * 64, w0);
+		_mm512_store_si512(dst + (q - k0 * 8) * 64 + 32, w1);
 	}
 }
 
 /* A panel pair's run over up to two groups of tokens. */
 struct pan {
-	const uint8_t *w[2]; /* the panels, in the matrix (NULL for FP8 converted per chunk) */
+	const uint8_t *w[2];  /* the panels, in the matrix (NULL for FP8 converted per chunk) */
 	const uint16_t *b[2]; /* or their B tiles converted whole (FP8, several groups) */
 	const uint8_t *f8[2]; /* or an FP8 panel, converted a chunk at a time into bk */
 	uint16_t *bk;	      /* 2 x 2 KiB: chunk kc's B tiles at bk + (kc & 1) * 1024 */
@@ -765,8 +783,7 @@ struct pan {
 /* C tiles for chunks [k0, k1), zeroed first: panel j (P of them) against group g (G) into
  * tile 2g + j; the next pair's nx_lines lines a chunk asked for (nx: NULL none) */
 INLINE AMX void pan_chunks(const struct pan *S, size_t k0, size_t k1, const uint16_t *pa,
-			   size_t kcs, const int P, const int G, const char *nx,
-			   uint32_t nx_lines)
+			   size_t kcs, const int P, const int G, const char *nx, uint32_t nx_lines)
 {
 	c_zero(P, G);
 	for (size_t kc = k0; kc < k1; kc++) {
@@ -855,11 +872,13 @@ INLINE AMX void pan_run(const struct pan *S, size_t K, bool f8, const uint16_t *
 		for (int j = 0; j < P; j++) {
 			const uint32_t s0 = 16 * (p + j), lo = r0 > s0 ? r0 - s0 : 0,
 				       hi = r1 < s0 + 16 ? r1 - s0 : 16;
-			const __mmask16 keep = (__mmask16)((0xffffu >> (16 - hi)) & (0xffffu << lo));
+			const __mmask16 keep =
+			    (__mmask16)((0xffffu >> (16 - hi)) & (0xffffu << lo));
 
 			for (uint32_t t = 0; t < n; t++)
-				_mm512_mask_storeu_ps(y[g * 16 + t] + s0, keep,
-						      _mm512_load_ps(out + (2 * g + j) * 256 + 16 * t));
+				_mm512_mask_storeu_ps(
+				    y[g * 16 + t] + s0, keep,
+				    _mm512_load_ps(out + (2 * g + j) * 256 + 16 * t));
 		}
 	}
 }
@@ -930,12 +949,14 @@ static AMX int gemm_amx_pan(const struct ro_mat *const *Ws, float *const *const 
 				 * pass's first), asked for over this pair's chunks */
 				if (p + 2 < p1) {
 					nx = (const char *)W->w + (size_t)(p + 2) * ps;
-					nx_lines = (uint32_t)((p1 - p - 2 >= 2 ? 2 : 1) * ps / 64 / kcs);
+					nx_lines =
+					    (uint32_t)((p1 - p - 2 >= 2 ? 2 : 1) * ps / 64 / kcs);
 				} else if (m + 1 < nm || t0 + tok < T) {
 					const struct ro_mat *Wn = m + 1 < nm ? Ws[m + 1] : Ws[0];
 
 					nx = (const char *)Wn->w + (size_t)p0 * ps;
-					nx_lines = (uint32_t)((p1 - p0 >= 2 ? 2 : 1) * ps / 64 / kcs);
+					nx_lines =
+					    (uint32_t)((p1 - p0 >= 2 ? 2 : 1) * ps / 64 / kcs);
 				}
 				S.w[0] = S.w[1] = NULL;
 				S.b[0] = S.b[1] = NULL;
@@ -947,8 +968,8 @@ static AMX int gemm_amx_pan(const struct ro_mat *const *Ws, float *const *const 
 						S.w[j] = pj;
 						continue;
 					}
-					S.s[j] = W->scale +
-						 (size_t)((p + j) * 16 / RO_FP8_BLOCK) * W->scale_cols;
+					S.s[j] = W->scale + (size_t)((p + j) * 16 / RO_FP8_BLOCK) *
+								W->scale_cols;
 					if (ng > 2) {
 						/* several groups: the pair converted once */
 						f8_pan(pj, 0, kcs, bw + j * kcs * 512);
@@ -963,17 +984,17 @@ static AMX int gemm_amx_pan(const struct ro_mat *const *Ws, float *const *const 
 					const char *pnx = g ? NULL : nx;
 
 					if (P == 2 && n > 16)
-						pan_run(&S, K, f8, pg, 2, 2, M, n, y + g * 16, p, r0,
-							r1, c, pnx, nx_lines);
+						pan_run(&S, K, f8, pg, 2, 2, M, n, y + g * 16, p,
+							r0, r1, c, pnx, nx_lines);
 					else if (P == 2)
-						pan_run(&S, K, f8, pg, 2, 1, M, n, y + g * 16, p, r0,
-							r1, c, pnx, nx_lines);
+						pan_run(&S, K, f8, pg, 2, 1, M, n, y + g * 16, p,
+							r0, r1, c, pnx, nx_lines);
 					else if (n > 16)
-						pan_run(&S, K, f8, pg, 1, 2, M, n, y + g * 16, p, r0,
-							r1, c, pnx, nx_lines);
+						pan_run(&S, K, f8, pg, 1, 2, M, n, y + g * 16, p,
+							r0, r1, c, pnx, nx_lines);
 					else
-						pan_run(&S, K, f8, pg, 1, 1, M, n, y + g * 16, p, r0,
-							r1, c, pnx, nx_lines);
+						pan_run(&S, K, f8, pg, 1, 1, M, n, y + g * 16, p,
+							r0, r1, c, pnx, nx_lines);
 				}
 			}
 		}
