@@ -181,6 +181,10 @@ int ro_gemm_amx2(const struct ro_mat *W1, const struct ro_mat *W2, const float *
 /* The matrix this thread runs next (NULL: none known): the panel kernel asks for its first
  * panels while it runs the last of the current one's (ro_gemm_ptrs2 chains its two). */
 void ro_gemm_then(const struct ro_mat *W);
+/* From this many tokens the AVX-512 panels run an FP8 matrix as bf16, converting each
+ * 128-row block once per call; below, they widen the FP8 bytes on every pass. The same
+ * bits either way (tests and benchmarks set it to compare the two; default 20). */
+extern uint32_t ro_f8_via_bf16;
 /* ro_gemm_ptrs for W1 into y1 and W2 into y2 (same shape, same inputs): bitwise the two
  * calls, with the inputs prepared once where the kernel prepares them. */
 void ro_gemm_ptrs2(const struct ro_mat *W1, const struct ro_mat *W2, const float *const *x,

@@ -180,6 +180,8 @@ static bool use(const char *cap)
 	for (size_t i = 0; i < 4; i++)
 		if (!strcmp(cap, caps[i]))
 			return !strcmp(ro_kernels_name(), want[i]);
+	if (!strcmp(cap, "avx512-novbmi")) /* AVX-512 without the VBMI byte tables */
+		return !strcmp(ro_kernels_name(), want[2]);
 	return false;
 }
 
@@ -465,20 +467,24 @@ Test(gemm, panels_are_fma_chains_in_k_order)
 }
 
 /* The same for FP8 (e4m3fn with a scale per 128 x 128 block): each element one FMA chain
- * in k order over w = f32(byte) x scale (one rounding), row-major or in panels, with
- * shapes that cross 128-row and 128-input blocks and inputs that leave a tail of words. */
-Test(gemm, fp8_panels_are_fma_chains_in_k_order)
+ * in k order over the byte's value exactly and x times its block's scale (one rounding),
+ * row-major or in panels, with shapes that cross 128-row and 128-input blocks and inputs
+ * that leave a tail of words: by both of the panel kernel's routes at every T (the FP8
+ * bytes widened on every pass; each 128-row block converted to bf16 first, through the
+ * VBMI byte tables or, capped, without them). */
+static void fp8_chains(const char *cap, uint32_t via)
 {
 	static const uint32_t shapes[][2] = {{16, 32},	{48, 40},  {7, 96},   {64, 1024},
 					     {257, 256}, {144, 132}, {32, 4}, {272, 384}};
-	static const uint32_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 14, 15, 16, 17, 33};
+	static const uint32_t Ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 14, 15, 16, 17, 33};
 
-	if (!use("avx512")) {
+	if (!use(cap)) {
 		cr_log_info("no AVX-512: the panel kernel does not run here");
 		cr_assert_eq(unsetenv("RO_KERNELS"), 0);
 		ro_kernels_force_scalar(false);
 		return;
 	}
+	ro_f8_via_bf16 = via;
 	for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
 		const uint32_t R = shapes[s][0], K = shapes[s][1], SR = (R + 127) / 128,
 			       SC = (K + 127) / 128;
@@ -493,7 +499,7 @@ Test(gemm, fp8_panels_are_fma_chains_in_k_order)
 		for (uint32_t i = 0; i < SR * SC; i++)
 			scale[i] = 1e-3f * (float)(1 + rnd() % 1000);
 		if (s == 1)
-			scale[0] = 300; /* 2^8 or more: the element-at-a-time chains */
+			scale[0] = 300; /* 2^8 or more (the old widening's limit) */
 		for (size_t i = 0; i < sizeof(Ts) / sizeof(Ts[0]); i++) {
 			const uint32_t T = Ts[i], r0 = R > 20 ? 3 : 0, r1 = R > 20 ? R - 2 : R;
 			struct ro_mat W = {.w = w, .dtype = RO_F8E4M3, .rows = R, .cols = K,
@@ -521,12 +527,13 @@ Test(gemm, fp8_panels_are_fma_chains_in_k_order)
 						continue;
 					}
 					for (uint32_t k = 0; k < K; k++)
-						acc = fmaf(ro_f8e4m3_to_f32(w[(size_t)r * K + k]) *
-							       scale[(r / 128) * SC + k / 128],
-							   x[t][k], acc);
+						acc = fmaf(ro_f8e4m3_to_f32(w[(size_t)r * K + k]),
+							   x[t][k] * scale[(r / 128) * SC + k / 128],
+							   acc);
 					cr_assert(!memcmp(&acc, &y[t][r], sizeof(acc)),
-						  "fp8 %ux%u T=%u: token %u row %u: %.9g, the chain %.9g",
-						  R, K, T, t, r, y[t][r], acc);
+						  "%s via %u: fp8 %ux%u T=%u: token %u row %u: %.9g, "
+						  "the chain %.9g",
+						  cap, via, R, K, T, t, r, y[t][r], acc);
 				}
 			if (R % 16 == 0) {
 				struct ro_mat P = W;
@@ -558,6 +565,16 @@ Test(gemm, fp8_panels_are_fma_chains_in_k_order)
 	}
 	cr_assert_eq(unsetenv("RO_KERNELS"), 0);
 	ro_kernels_force_scalar(false);
+}
+
+Test(gemm, fp8_panels_are_fma_chains_in_k_order)
+{
+	const uint32_t dflt = ro_f8_via_bf16;
+
+	fp8_chains("avx512", UINT32_MAX); /* widened on every pass */
+	fp8_chains("avx512", 1);	  /* converted to bf16 */
+	fp8_chains("avx512-novbmi", 1);
+	ro_f8_via_bf16 = dflt;
 }
 
 /* The elementwise steps beside the matrices: RMSNorm's sum of squares is the same bits in

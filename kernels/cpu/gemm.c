@@ -8,6 +8,7 @@
  * the loads of W and x between accumulators: a token's result is bitwise the same whichever
  * variant, block or thread computed it. The build uses -ffp-contract=off so the compiler
  * cannot fuse the scalar tail differently in different places. */
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <math.h>
@@ -26,6 +27,8 @@
 /* 0 portable, 1 AVX2+FMA, 2 AVX-512 (F, BW, DQ, VL), 3 that and AMX-BF16 for the bf16
  * matrices it fits (amx.c); -1 until first asked */
 static int kern = -1;
+/* AVX512-VBMI for FP8's conversion to bf16 (RO_KERNELS=avx512-novbmi: not) */
+static bool f8_vbmi;
 
 bool ro_cpu_has_avx2(void)
 {
@@ -49,19 +52,23 @@ static bool cpu_has_avx512(void)
 #endif
 }
 
-/* The best the CPU has, capped by RO_KERNELS ("avx512", "avx2" or "scalar"; anything else:
- * no cap), read at each model load: to run, and test, the slower paths on a machine with
- * the faster ones. */
+/* The best the CPU has, capped by RO_KERNELS ("avx512", "avx2" or "scalar"; "avx512-novbmi":
+ * AVX-512 without its VBMI byte tables; anything else: no cap), read at each model load: to
+ * run, and test, the slower paths on a machine with the faster ones. */
 static int kern_best(void)
 {
 	const char *cap = getenv("RO_KERNELS");
+	const bool novbmi = cap && !strcmp(cap, "avx512-novbmi");
 	const bool capped = cap && (!strcmp(cap, "avx512") || !strcmp(cap, "avx2") ||
-				    !strcmp(cap, "scalar"));
+				    !strcmp(cap, "scalar") || novbmi);
 	/* (AMX is asked of the kernel only when it may run) */
 	int best = cpu_has_avx512() ? (!capped && ro_amx_available() ? 3 : 2)
 		   : ro_cpu_has_avx2() ? 1
 				       : 0;
 
+#if HAVE_X86
+	f8_vbmi = !novbmi && best >= 2 && __builtin_cpu_supports("avx512vbmi");
+#endif
 	if (cap && !strcmp(cap, "avx2") && best > 1)
 		best = 1;
 	else if (cap && !strcmp(cap, "scalar"))
@@ -351,6 +358,8 @@ static AVX2 void gemm_avx2(const struct ro_mat *W, const float *const *x, uint32
  * nothing else, so a token's logits are the same bits in a batch of 1 or of 256. */
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
+#define AVX512VBMI \
+	__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx2,fma")))
 
 INLINE AVX512 float hsum512(__m512 v)
 {
@@ -546,10 +555,13 @@ static AVX512 void gemm_avx512(const struct ro_mat *W, const float *const *x, ui
  * 256 unchanged. */
 static __thread const uint8_t *pf_next;
 static __thread size_t pf_bytes;
+static __thread unsigned pf_shift; /* 1 while bf16 panels converted from FP8 run: their
+				      offsets are twice the FP8 ones the next group has */
 
 /* byte o of the next group's panels asked for into L2, if it has that many */
 static inline void pf_ask(const uint8_t *pf, size_t o)
 {
+	o >>= pf_shift;
 	if (pf && o < pf_bytes)
 		_mm_prefetch((const char *)pf + o, _MM_HINT_T1);
 }
@@ -568,16 +580,128 @@ static size_t panel_bytes(const struct ro_mat *W)
 #define PANEL_G 12 /* panels per group: 192 rows, 384 KiB of 1,024 inputs, stay in L2 */
 #define PF_AHEAD512 8192 /* bytes prefetched ahead, over all of a block's panels */
 
-/* Sixteen FP8 weights (e4m3fn, each byte at the top of its lane: bits 31..24; bits below
- * are ignored) times their block's scale, in two steps: an arithmetic shift by 4 and a mask
- * leave sign | exponent | mantissa at an f32's bits 31, 26..20 (the f8 value times
- * 2^-120, exact, subnormal or not), and one multiply by s120 = scale x 2^120 (exact while
- * the scale is below 2^8: gemm_panel512 checks) rounds f8 x scale once, as w_at does. */
+/* FP8 on the AVX-512 panels. Every element is the chain acc = fmaf(w, x', acc) in k order,
+ * w the e4m3fn value exactly (4 significant bits, 2^-9 to 448: an f32 and a bf16 exactly)
+ * and x' = x * scale (one rounding): the block's weight_scale_inv moved from the weights to
+ * the inputs (f8_scale_x, per 128-row block; until 2026-12-08 each weight was multiplied by
+ * it). Two routes give those bits:
+ * - under ro_f8_via_bf16 tokens (20), the FP8 panels widened in registers on every pass
+ *   over the tokens (f8x16: a shift, an arithmetic shift, a mask and a multiply by 2^120,
+ *   15 operations for 64 weights);
+ * - from that many, each 128-row block converted once per call into bf16 panels in
+ *   per-thread scratch (f8_to_bf16_*) and run by the bf16 kernel, whose widening costs 4
+ *   operations for 64 weights a pass.
+ * Alternating in one process on a Sapphire Rapids core without AMX (one 256 x 1,024 or
+ * 1,024 x 256 matrix in L2), the converted route ran 12 tokens 1.15-1.18x as fast, 24
+ * 1.16-1.22x, 64 1.23-1.26x, 128 1.31-1.35x, and 8 tokens 0.88x; over the expert layer
+ * (16 layers x 64 experts, 2 threads, weights from memory, random routing) it lost 2-8% at
+ * ~16 tokens an expert (the conversion's pass over memory does not overlap the FMAs) and
+ * gained 10% at ~32 and 21% at ~48: hence 20. The two routes are the same products in the
+ * same order (test_gemm checks both against the chain bitwise), so which one a batch takes
+ * changes no token's bits. With AVX512-VBMI (Ice Lake, Zen 4 and later) the conversion
+ * looks the bytes up in two 128-entry tables (f8_tab: the bf16's high byte less the sign,
+ * and its low byte): 7 operations for 64 weights against 19. Widening every pass through
+ * the same tables instead of the shifts ran at 79 GFLOP/s against 114 (its two-source byte
+ * permutes, VPERMT2B, cost here about twice a shift), so the per-pass route keeps the
+ * shifts; they leave an FP8 subnormal as an f32 subnormal, whose multiply costs a microcode
+ * assist (~100x the instruction here), rare in checkpoints (~1e-4 of the weights). */
+uint32_t ro_f8_via_bf16 = 20;
+
+static uint8_t f8_tab[4][64] __attribute__((aligned(64))); /* hi of m < 64, of m >= 64, lo, lo */
+static pthread_once_t f8_once = PTHREAD_ONCE_INIT;
+
+static void f8_init(void)
+{
+	for (uint32_t m = 0; m < 128; m++) {
+		const float f = ro_f8e4m3_to_f32((uint8_t)m);
+		uint32_t u;
+
+		memcpy(&u, &f, sizeof(u));
+		f8_tab[m / 64][m % 64] = (uint8_t)(u >> 24);
+		f8_tab[2 + m / 64][m % 64] = (uint8_t)(u >> 16);
+	}
+}
+
+/* Sixteen FP8 weights (e4m3fn, each byte at the top of its lane: bits
+ * 31..24; bits below are ignored) as f32, exactly: an arithmetic shift by 4 and a mask leave
+ * sign | exponent | mantissa at an f32's bits 31, 26..20 (the value times 2^-120, an f32
+ * subnormal for an FP8 one), and a multiply by s120 = 2^120 (exact) makes it the value. */
 INLINE AVX512 __m512 f8x16(__m512i t, __m512 s120)
 {
 	return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(
 				 _mm512_srai_epi32(t, 4), _mm512_set1_epi32((int)0x87f00000u))),
 			     s120);
+}
+
+/* n FP8 panels of K inputs at src (a word: 4 inputs of a row) into bf16 panels at dst (a
+ * word: 2 inputs of a row), exactly. A 64-byte load is 16 rows x 4 inputs, two 64-byte
+ * stores 16 rows x inputs (0, 1) and (2, 3). */
+static AVX512 void f8_to_bf16_plain(const uint8_t *src, uint8_t *dst, size_t bytes)
+{
+	const __m512 s120 = _mm512_set1_ps(0x1p120f);
+
+	for (size_t o = 0; o < bytes; o += 64) {
+		const __m512i d = _mm512_loadu_si512(src + o);
+		__m512i f[4];
+
+		for (int b = 0; b < 4; b++)
+			f[b] = _mm512_castps_si512(
+			    f8x16(b == 3 ? d : _mm512_slli_epi32(d, 8 * (3 - b)), s120));
+		/* (f[0] >> 16) | (f[1] & 0xffff0000), in one ternary logic */
+		_mm512_storeu_si512(dst + 2 * o,
+				    _mm512_ternarylogic_epi32(_mm512_srli_epi32(f[0], 16), f[1],
+							      _mm512_set1_epi32((int)0xffff0000u),
+							      0xf8));
+		_mm512_storeu_si512(dst + 2 * o + 64,
+				    _mm512_ternarylogic_epi32(_mm512_srli_epi32(f[2], 16), f[3],
+							      _mm512_set1_epi32((int)0xffff0000u),
+							      0xf8));
+	}
+}
+
+static AVX512VBMI void f8_to_bf16_vbmi(const uint8_t *src, uint8_t *dst, size_t bytes)
+{
+	const __m512i th0 = _mm512_load_si512(f8_tab[0]), th1 = _mm512_load_si512(f8_tab[1]),
+		      tl0 = _mm512_load_si512(f8_tab[2]), tl1 = _mm512_load_si512(f8_tab[3]),
+		      sgn = _mm512_set1_epi8((char)0x80);
+
+	for (size_t o = 0; o < bytes; o += 64) {
+		const __m512i d = _mm512_loadu_si512(src + o);
+		/* byte 4r + b: the high (with the sign) and low bytes of row r's input b */
+		const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(th0, d, th1), d,
+							    sgn, 0xf8),
+			      l = _mm512_permutex2var_epi8(tl0, d, tl1);
+		/* per 128-bit lane (rows 4j..4j+3): dwords (row, inputs 0-1), (row, 2-3) for
+		 * rows 4j, 4j+1 (lo) and 4j+2, 4j+3 (hi) */
+		const __m512 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi8(l, h)),
+			     hi = _mm512_castsi512_ps(_mm512_unpackhi_epi8(l, h));
+
+		_mm512_storeu_ps((float *)(dst + 2 * o), _mm512_shuffle_ps(lo, hi, 0x88));
+		_mm512_storeu_ps((float *)(dst + 2 * o + 64), _mm512_shuffle_ps(lo, hi, 0xdd));
+	}
+}
+
+/* Tokens [t, t + m)'s inputs times the scales of the 128-row block of row a (one rounding
+ * each), into buf (K floats a token), pointed to by xs[t + j]. */
+static AVX512 void f8_scale_x(const struct ro_mat *W, uint32_t a, const float *const *x,
+			      uint32_t t, uint32_t m, float *buf, const float **xs)
+{
+	const uint32_t K = W->cols;
+	const float *s = W->scale + (size_t)(a / RO_FP8_BLOCK) * W->scale_cols;
+
+	for (uint32_t j = 0; j < m; j++) {
+		float *o = buf + (size_t)j * K;
+
+		for (uint32_t k = 0; k < K; k += 16) {
+			const __mmask16 mk =
+			    K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+
+			_mm512_mask_storeu_ps(o + k, mk,
+					      _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, x[t + j] + k),
+							    _mm512_set1_ps(s[k / RO_FP8_BLOCK])));
+		}
+		xs[t + j] = o;
+	}
 }
 
 /* R panels (the first at wp, its first row a) x TT tokens (from t), all K inputs; rows
@@ -590,17 +714,13 @@ INLINE AVX512 void pblock(const struct ro_mat *W, const uint8_t *wp, uint32_t a,
 	const uint32_t K = W->cols;
 	const size_t ps = panel_bytes_of(K, dt);
 	const __m512i *wr[8];
-	const float *xr[16], *srow[8];
-	__m512 acc[8][16], sc[8];
+	const float *xr[16];
+	__m512 acc[8][16];
 	const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
 
 #pragma GCC unroll 8
 	for (int i = 0; i < R; i++) {
 		wr[i] = (const __m512i *)(wp + (size_t)i * ps);
-		srow[i] = dt == RO_F8E4M3
-			      ? W->scale + ((a + 16 * i) / RO_FP8_BLOCK) * W->scale_cols
-			      : NULL;
-		sc[i] = _mm512_setzero_ps();
 #pragma GCC unroll 16
 		for (int j = 0; j < TT; j++)
 			acc[i][j] = _mm512_setzero_ps();
@@ -609,15 +729,13 @@ INLINE AVX512 void pblock(const struct ro_mat *W, const uint8_t *wp, uint32_t a,
 	for (int j = 0; j < TT; j++)
 		xr[j] = x[t + j];
 	if (dt == RO_F8E4M3) {
-		/* four inputs a word: byte b moved to the top by a shift (none for b = 3) */
+		/* (AVX-512 without VBMI: Skylake-SP, Cascade Lake) four inputs a word, byte b
+		 * moved to the top by a shift (none for b = 3), widened by f8x16; x is x' */
+		const __m512 s120 = _mm512_set1_ps(0x1p120f);
+
 		for (uint32_t k = 0; k < K; k += 4) {
 			__m512i d[8];
 
-			if (!(k % RO_FP8_BLOCK)) {
-#pragma GCC unroll 8
-				for (int i = 0; i < R; i++)
-					sc[i] = _mm512_set1_ps(srow[i][k / RO_FP8_BLOCK] * 0x1p120f);
-			}
 #pragma GCC unroll 8
 			for (int i = 0; i < R; i++) {
 				d[i] = _mm512_loadu_si512(wr[i] + k / 4);
@@ -632,7 +750,7 @@ INLINE AVX512 void pblock(const struct ro_mat *W, const uint8_t *wp, uint32_t a,
 				for (int i = 0; i < R; i++)
 					wv[i] = f8x16(bb == 3 ? d[i]
 							      : _mm512_slli_epi32(d[i], 8 * (3 - bb)),
-						      sc[i]);
+						      s120);
 #pragma GCC unroll 16
 				for (int j = 0; j < TT; j++) {
 					const __m512 xb = _mm512_set1_ps(xr[j][k + bb]);
@@ -712,6 +830,7 @@ INLINE AVX512 void panels512(const struct ro_mat *W, const uint8_t *wp, uint32_t
  * shape into gemm_panel512, the same code ran 12-35% slower (its register allocation and
  * layout shared one giant function; one core, one 256 x 1,024 matrix, in L2 and streamed:
  * 4 tokens 18.5 -> 14.5 us and 19.2 -> 17.0, 6 tokens 27.9 -> 18.5 and 26.3 -> 22.8). */
+/* (f8_tail_8 is the bulk: 2 panels x 8 tokens) */
 #define F8_TAIL(R, TT)                                                                          \
 	static AVX512 __attribute__((noinline)) void f8_tail_##TT(                              \
 	    const struct ro_mat *W, const uint8_t *wp, uint32_t a, uint32_t n,                  \
@@ -728,6 +847,7 @@ F8_TAIL(4, 4)
 F8_TAIL(4, 5)
 F8_TAIL(3, 6)
 F8_TAIL(3, 7)
+F8_TAIL(2, 8)
 #undef F8_TAIL
 
 /* Tokens [0, T) over n panels: the block shapes. BF16: 2 x 12 for the bulk (24
@@ -735,32 +855,46 @@ F8_TAIL(3, 7)
  * decodes 4 operations per 16 weights and keeps its block scales and constants in
  * registers: 2 x 8 (in L2 on a Zen 5 core: 171-180 GFLOP/s, 78-83% of the FMA peak; 1 x 16,
  * 2 x 10 and 2 x 12 spill and run at 63-159). */
+/* FP8: n panels of one 128-row block (its first row a) for tokens [0, T), 8 at a time, each
+ * pass's inputs scaled first (f8_scale_x into xsb, pointed to from xsp[0, T)) */
+static AVX512 void tokens_f8(const struct ro_mat *W, const uint8_t *wp, uint32_t a, uint32_t n,
+			     const float *const *x, uint32_t T, float *const *y, uint32_t r0,
+			     uint32_t r1, float *xsb, const float **xsp)
+{
+	typedef void tail_fn(const struct ro_mat *, const uint8_t *, uint32_t, uint32_t,
+			     const float *const *, uint32_t, float *const *, uint32_t, uint32_t);
+	static tail_fn *const fn[9] = {NULL,	  f8_tail_1, f8_tail_2, f8_tail_3, f8_tail_4,
+				       f8_tail_5, f8_tail_6, f8_tail_7, f8_tail_8};
+	const float *const *xs = xsp;
+	const uint8_t *nx = pf_next;
+
+	/* the next group asked for in the second pass of 8 tokens, or the only one */
+	for (uint32_t t = 0; t < T; t += 8) {
+		const uint32_t m = T - t < 8 ? T - t : 8;
+
+		f8_scale_x(W, a, x, t, m, xsb, xsp);
+		pf_next = t == 8 || T <= 8 ? nx : NULL;
+		fn[m](W, wp, a, n, xs, t, y, r0, r1);
+	}
+}
+
+/* BF16: n panels (the first's first row a) for tokens [0, T). For FP8 converted to bf16
+ * (xsb not NULL), each pass first scales its tokens' inputs from xs_src by Ws's scales into
+ * xsb, pointed to from x = xsp. */
 INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t a, uint32_t n,
 			     const float *const *x, uint32_t T, float *const *y, uint32_t r0,
-			     uint32_t r1, const enum ro_dtype dt)
+			     uint32_t r1, const enum ro_dtype dt, const struct ro_mat *Ws,
+			     const float *const *xs_src, float *xsb, const float **xsp)
 {
 	uint32_t t = 0;
 
-	if (dt == RO_F8E4M3) {
-		const uint8_t *nx = pf_next;
+#define PASS512(R, TT)                                                                           \
+	do {                                                                                     \
+		if (xsb)                                                                         \
+			f8_scale_x(Ws, a, xs_src, t, TT, xsb, xsp);                              \
+		panels512(W, wp, a, n, x, t, y, r0, r1, R, TT, dt);                              \
+	} while (0)
 
-		/* the next group asked for in the second pass of 8 tokens, or the only one */
-		for (; t + 8 <= T; t += 8) {
-			pf_next = t == 8 || T == 8 ? nx : NULL;
-			panels512(W, wp, a, n, x, t, y, r0, r1, 2, 8, dt);
-		}
-		pf_next = t <= 8 ? nx : NULL;
-		switch (T - t) {
-		case 7: f8_tail_7(W, wp, a, n, x, t, y, r0, r1); break;
-		case 6: f8_tail_6(W, wp, a, n, x, t, y, r0, r1); break;
-		case 5: f8_tail_5(W, wp, a, n, x, t, y, r0, r1); break;
-		case 4: f8_tail_4(W, wp, a, n, x, t, y, r0, r1); break;
-		case 3: f8_tail_3(W, wp, a, n, x, t, y, r0, r1); break;
-		case 2: f8_tail_2(W, wp, a, n, x, t, y, r0, r1); break;
-		case 1: f8_tail_1(W, wp, a, n, x, t, y, r0, r1); break;
-		}
-		return;
-	}
 	if (T >= 12) {
 		/* ceil(T / 12) passes of near-equal size, 6 to 12 tokens each (16 = 8 + 8, not
 		 * 12 + a pass of 4 whose weight loads feed 4 FMAs each): the expert layer at
@@ -776,25 +910,25 @@ INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 
 			switch (m) {
 			case 12:
-				panels512(W, wp, a, n, x, t, y, r0, r1, 2, 12, dt);
+				PASS512(2, 12);
 				break;
 			case 11:
-				panels512(W, wp, a, n, x, t, y, r0, r1, 2, 11, dt);
+				PASS512(2, 11);
 				break;
 			case 10:
-				panels512(W, wp, a, n, x, t, y, r0, r1, 2, 10, dt);
+				PASS512(2, 10);
 				break;
 			case 9:
-				panels512(W, wp, a, n, x, t, y, r0, r1, 3, 9, dt);
+				PASS512(3, 9);
 				break;
 			case 8:
-				panels512(W, wp, a, n, x, t, y, r0, r1, 3, 8, dt);
+				PASS512(3, 8);
 				break;
 			case 7:
-				panels512(W, wp, a, n, x, t, y, r0, r1, 3, 7, dt);
+				PASS512(3, 7);
 				break;
 			default: /* 6: T = 13's first pass */
-				panels512(W, wp, a, n, x, t, y, r0, r1, 3, 6, dt);
+				PASS512(3, 6);
 				break;
 			}
 			t += m;
@@ -802,33 +936,34 @@ INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t
 		return;
 	}
 	if (T - t >= 8) {
-		panels512(W, wp, a, n, x, t, y, r0, r1, 3, 8, dt);
+		PASS512(3, 8);
 		t += 8;
 	}
 	switch (T - t) {
 	case 7:
-		panels512(W, wp, a, n, x, t, y, r0, r1, 3, 7, dt);
+		PASS512(3, 7);
 		break;
 	case 6:
-		panels512(W, wp, a, n, x, t, y, r0, r1, 3, 6, dt);
+		PASS512(3, 6);
 		break;
 	case 5:
-		panels512(W, wp, a, n, x, t, y, r0, r1, 4, 5, dt);
+		PASS512(4, 5);
 		break;
 	case 4:
-		panels512(W, wp, a, n, x, t, y, r0, r1, 4, 4, dt);
+		PASS512(4, 4);
 		break;
 	case 3:
-		panels512(W, wp, a, n, x, t, y, r0, r1, 4, 3, dt);
+		PASS512(4, 3);
 		break;
 	case 2:
-		panels512(W, wp, a, n, x, t, y, r0, r1, 6, 2, dt);
+		PASS512(6, 2);
 		break;
 	case 1:
 		/* decode: 8 streams, 8 independent chains (the FMA's latency x 2) */
-		panels512(W, wp, a, n, x, t, y, r0, r1, 8, 1, dt);
+		PASS512(8, 1);
 		break;
 	}
+#undef PASS512
 }
 
 /* Row-major panel p of W (es-byte elements) into dst in panels (rows past the matrix as
@@ -880,17 +1015,30 @@ static AVX512 void pack_panel(const struct ro_mat *W, uint32_t p, size_t es, uin
 		}
 }
 
-/* Without the memory to pack a row-major panel: the same FMA chains an element at a time
- * (fmaf rounds once, as a lane of the vector FMA). */
+/* Without the memory for the kernel's scratch: the same FMA chains an element at a time
+ * (fmaf rounds once, as a lane of the vector FMA; FP8 on the inputs times the block's
+ * scale, as f8_scale_x). */
 static AVX512 void gemm_panel_elem(const struct ro_mat *W, const float *const *x, uint32_t T,
 				   float *const *y, uint32_t r0, uint32_t r1)
 {
+	const bool f8 = W->dtype == RO_F8E4M3;
+
 	for (uint32_t r = r0; r < r1; r++)
 		for (uint32_t t = 0; t < T; t++) {
 			float acc = 0;
 
-			for (uint32_t k = 0; k < W->cols; k++)
-				acc = fmaf(w_at(W, r, k), x[t][k], acc);
+			for (uint32_t k = 0; k < W->cols; k++) {
+				const size_t K = W->cols,
+					     i = W->panel ? (size_t)(r / 16) * 16 * K + (k / 4) * 64 +
+								(r % 16) * 4 + k % 4
+							  : (size_t)r * K + k;
+
+				acc = f8 ? fmaf(ro_f8e4m3_to_f32(((const uint8_t *)W->w)[i]),
+						x[t][k] * W->scale[(r / RO_FP8_BLOCK) * W->scale_cols +
+								   k / RO_FP8_BLOCK],
+						acc)
+					 : fmaf(w_at(W, r, k), x[t][k], acc);
+			}
 			y[t][r] = acc;
 		}
 }
@@ -898,38 +1046,59 @@ static AVX512 void gemm_panel_elem(const struct ro_mat *W, const float *const *x
 static AVX512 void gemm_panel512(const struct ro_mat *W, const float *const *x, uint32_t T,
 				 float *const *y, uint32_t r0, uint32_t r1)
 {
-	const bool f8 = W->dtype == RO_F8E4M3;
-	const size_t ps = panel_bytes(W);
+	const bool f8 = W->dtype == RO_F8E4M3, via = f8 && T >= ro_f8_via_bf16;
+	const size_t ps = panel_bytes(W), K = W->cols;
 	const uint32_t p0 = r0 / 16, p1 = (r1 + 15) / 16;
-	uint32_t G = PANEL_G;
+	/* bf16: groups of 12 panels (one token: 16, for its 8 streams); FP8: of one 128-row
+	 * block (8 panels) at most, all on the same scaled inputs */
+	uint32_t G = f8 ? RO_FP8_BLOCK / 16 : T == 1 ? 16 : PANEL_G;
+	size_t pack = 0, need = 0, cvt = 0;
 	uint8_t *buf = NULL;
+	float *xsb = NULL;
+	const float **xsp = NULL;
+	struct ro_mat Wb;
 
-	if (T == 1)
-		G = 16; /* one token runs 8 panels at a time (8 streams): groups of 16 */
-
-	/* f8x16's scale x 2^120 must be finite: a scale of 2^8 or more (none that a
-	 * checkpoint's amax / 448 gives) takes the same chains an element at a time */
-	if (f8)
-		for (uint32_t b = r0 / RO_FP8_BLOCK; b <= (r1 - 1) / RO_FP8_BLOCK; b++)
-			for (uint32_t c = 0; c < W->scale_cols; c++)
-				if (!(fabsf(W->scale[(size_t)b * W->scale_cols + c]) < 0x1p8f)) {
-					gemm_panel_elem(W, x, T, y, r0, r1);
-					return;
-				}
 	if (!W->panel) {
 		if (p1 - p0 < G)
 			G = p1 - p0;
-		buf = ro_thread_scratch(G * ps);
-		if (!buf && !(buf = ro_thread_scratch((G = 1) * ps))) {
+		need = pack = G * ps;
+	}
+	if (f8) {
+		(void)pthread_once(&f8_once, f8_init);
+		if (via)
+			need += cvt = (size_t)G * panel_bytes_of(W->cols, RO_BF16);
+		need += (size_t)12 * K * sizeof(float) + (size_t)T * sizeof(*xsp);
+	}
+	if (need) {
+		buf = ro_thread_scratch(need);
+		if (!buf && pack) { /* one panel at a time */
+			need -= (pack + cvt) - (ps + (cvt ? cvt / G : 0));
+			cvt /= G;
+			pack = ps;
+			G = 1;
+			buf = ro_thread_scratch(need);
+		}
+		if (!buf) {
 			gemm_panel_elem(W, x, T, y, r0, r1);
 			return;
 		}
+		if (f8) {
+			xsb = (float *)(buf + pack + cvt);
+			xsp = (const float **)(xsb + (size_t)12 * K);
+		}
 	}
-	for (uint32_t pb = p0; pb < p1; pb += G) {
-		const uint32_t n = pb + G < p1 ? G : p1 - pb;
+	Wb = *W;
+	Wb.dtype = RO_BF16;
+	Wb.scale = NULL;
+	Wb.panel = true;
+	pf_shift = via;
+	for (uint32_t pb = p0; pb < p1;) {
+		/* (FP8: never past the end of the 128-row block) */
+		const uint32_t blk = (pb / 8 + 1) * 8, g = f8 && blk < pb + G ? blk : pb + G,
+			       n = (g < p1 ? g : p1) - pb;
 		const uint8_t *wp = (const uint8_t *)W->w + pb * ps;
 
-		if (buf) {
+		if (pack) {
 			for (uint32_t i = 0; i < n; i++)
 				pack_panel(W, pb + i, f8 ? 1 : 2, buf + i * ps);
 			wp = buf;
@@ -937,21 +1106,35 @@ static AVX512 void gemm_panel512(const struct ro_mat *W, const float *const *x, 
 		/* the next group's panels (the next matrix's first, after the last) asked for
 		 * during this group's second pass over the tokens (tokens512 picks the pass;
 		 * pf_next is NULL outside this call) */
-		if (!buf && pb + G < p1) {
-			pf_next = (const uint8_t *)W->w + (pb + G) * ps;
-			pf_bytes = (pb + 2 * G < p1 ? G : p1 - pb - G) * ps;
-		} else if (!buf && pf_after && pf_after->panel) {
+		if (!pack && pb + n < p1) {
+			const uint32_t nn = p1 - (pb + n) < G ? p1 - (pb + n) : G;
+
+			pf_next = (const uint8_t *)W->w + (pb + n) * ps;
+			pf_bytes = nn * ps;
+		} else if (!pack && pf_after && pf_after->panel) {
 			const uint32_t ap = (pf_after->rows + 15) / 16;
 
 			pf_next = pf_after->w;
 			pf_bytes = (ap < G ? ap : G) * panel_bytes(pf_after);
 		}
-		if (f8)
-			tokens512(W, wp, pb * 16, n, x, T, y, r0, r1, RO_F8E4M3);
-		else
-			tokens512(W, wp, pb * 16, n, x, T, y, r0, r1, RO_BF16);
+		if (via) {
+			uint8_t *bp = buf + pack;
+
+			if (f8_vbmi)
+				f8_to_bf16_vbmi(wp, bp, n * ps);
+			else
+				f8_to_bf16_plain(wp, bp, n * ps);
+			tokens512(&Wb, bp, pb * 16, n, xsp, T, y, r0, r1, RO_BF16, W, x, xsb, xsp);
+		} else if (f8) {
+			tokens_f8(W, wp, pb * 16, n, x, T, y, r0, r1, xsb, xsp);
+		} else {
+			tokens512(W, wp, pb * 16, n, x, T, y, r0, r1, RO_BF16, NULL, NULL, NULL,
+				  NULL);
+		}
 		pf_next = NULL;
+		pb += n;
 	}
+	pf_shift = 0;
 }
 #endif
 
