@@ -85,6 +85,12 @@ static inline float ro_f8e4m3_to_f32(uint8_t b)
 	return b & 0x80 ? -f : f;
 }
 
+/* e4m3fn's seven low bits (0-127) as bf16's high byte (less the sign) and low byte: exact
+ * (4 significant bits, 2^-9 to 448), for the VPERMI2B table lookups of amx.c and gemm.c.
+ * Filled once by ro_f8_bf16_tables(). */
+extern uint8_t ro_f8_bf16_hi[128], ro_f8_bf16_lo[128];
+void ro_f8_bf16_tables(void);
+
 /* FP8 block size of weight_scale_inv (rows and columns), the only one implemented */
 #define RO_FP8_BLOCK 128
 

@@ -384,20 +384,13 @@ INLINE AMX void chunks(const uint16_t *a0, const uint16_t *a1, size_t sa, size_t
 	}
 }
 
-/* e4m3fn's seven low bits as bf16's high and low bytes (exact: 4 significant bits, 2^-9
- * to 448), and the byte order that makes VPUNPCK[LH]BW's words come out in input order */
-static uint8_t f8_hi[128], f8_lo[128], f8_perm[64], f8_pperm[64];
+/* The byte order that makes VPUNPCK[LH]BW's words come out in input order (the byte
+ * tables themselves: ro_f8_bf16_hi and _lo) */
+static uint8_t f8_perm[64], f8_pperm[64];
 
 static void f8_tables(void)
 {
-	for (int b = 0; b < 128; b++) {
-		const float f = ro_f8e4m3_to_f32((uint8_t)b);
-		uint32_t u;
-
-		memcpy(&u, &f, 4);
-		f8_hi[b] = (uint8_t)(u >> 24);
-		f8_lo[b] = (uint8_t)(u >> 16);
-	}
+	ro_f8_bf16_tables();
 	/* UNPCKLBW takes bytes 16L..16L+7 of each 128-bit lane L, UNPCKHBW 16L+8..16L+15 */
 	for (int L = 0; L < 4; L++)
 		for (int j = 0; j < 8; j++) {
@@ -423,8 +416,10 @@ struct f8tab {
 
 INLINE AMX struct f8tab f8_tab(const uint8_t *perm)
 {
-	return (struct f8tab){_mm512_loadu_si512(f8_hi), _mm512_loadu_si512(f8_hi + 64),
-			      _mm512_loadu_si512(f8_lo), _mm512_loadu_si512(f8_lo + 64),
+	return (struct f8tab){_mm512_loadu_si512(ro_f8_bf16_hi),
+			      _mm512_loadu_si512(ro_f8_bf16_hi + 64),
+			      _mm512_loadu_si512(ro_f8_bf16_lo),
+			      _mm512_loadu_si512(ro_f8_bf16_lo + 64),
 			      _mm512_loadu_si512(perm),	 _mm512_set1_epi8((char)0x80)};
 }
 

@@ -30,6 +30,26 @@ static int kern = -1;
 /* AVX512-VBMI for FP8's conversion to bf16 (RO_KERNELS=avx512-novbmi: not) */
 static bool f8_vbmi;
 
+uint8_t ro_f8_bf16_hi[128], ro_f8_bf16_lo[128];
+static pthread_once_t f8_once = PTHREAD_ONCE_INIT;
+
+static void f8_bf16_fill(void)
+{
+	for (uint32_t m = 0; m < 128; m++) {
+		const float f = ro_f8e4m3_to_f32((uint8_t)m);
+		uint32_t u;
+
+		memcpy(&u, &f, sizeof(u));
+		ro_f8_bf16_hi[m] = (uint8_t)(u >> 24);
+		ro_f8_bf16_lo[m] = (uint8_t)(u >> 16);
+	}
+}
+
+void ro_f8_bf16_tables(void)
+{
+	(void)pthread_once(&f8_once, f8_bf16_fill);
+}
+
 bool ro_cpu_has_avx2(void)
 {
 #if HAVE_X86
@@ -68,6 +88,8 @@ static int kern_best(void)
 
 #if HAVE_X86
 	f8_vbmi = !novbmi && best >= 2 && __builtin_cpu_supports("avx512vbmi");
+	if (f8_vbmi)
+		ro_f8_bf16_tables();
 #endif
 	if (cap && !strcmp(cap, "avx2") && best > 1)
 		best = 1;
@@ -115,17 +137,28 @@ const char *ro_kernels_name(void)
 
 /* W[r][k] as f32: bf16 widened; F8E4M3 decoded and times its block's scale (one f32
  * rounding, as tests/ref/ref_moe.py dequantizes) */
+/* where W[r][k] is in W->w: in panels, 16 rows of `per` inputs a 32-bit word
+ * (ro_panel_pack) */
+static inline size_t w_index(const struct ro_mat *W, size_t r, size_t k)
+{
+	const size_t per = W->dtype == RO_F8E4M3 ? 4 : 2;
+
+	return W->panel ? (r / 16) * 16 * W->cols + (k / per) * 16 * per + (r % 16) * per + k % per
+			: r * W->cols + k;
+}
+
+/* FP8: the weight_scale_inv of W[r][k]'s block */
+static inline float w_scale(const struct ro_mat *W, size_t r, size_t k)
+{
+	return W->scale[(r / RO_FP8_BLOCK) * W->scale_cols + k / RO_FP8_BLOCK];
+}
+
 static inline float w_at(const struct ro_mat *W, size_t r, size_t k)
 {
-	/* in panels: 16 rows of `per` inputs a 32-bit word (ro_panel_pack) */
-	const size_t per = W->dtype == RO_F8E4M3 ? 4 : 2,
-		     i = W->panel ? (r / 16) * 16 * W->cols + (k / per) * 16 * per + (r % 16) * per +
-				       k % per
-				  : r * W->cols + k;
+	const size_t i = w_index(W, r, k);
 
 	if (W->dtype == RO_F8E4M3)
-		return ro_f8e4m3_to_f32(((const uint8_t *)W->w)[i]) *
-		       W->scale[(r / RO_FP8_BLOCK) * W->scale_cols + k / RO_FP8_BLOCK];
+		return ro_f8e4m3_to_f32(((const uint8_t *)W->w)[i]) * w_scale(W, r, k);
 	return W->dtype == RO_BF16 ? ro_bf16_to_f32(((const uint16_t *)W->w)[i])
 				   : ((const float *)W->w)[i];
 }
@@ -599,28 +632,13 @@ static size_t panel_bytes(const struct ro_mat *W)
  * gained 10% at ~32 and 21% at ~48: hence 20. The two routes are the same products in the
  * same order (test_gemm checks both against the chain bitwise), so which one a batch takes
  * changes no token's bits. With AVX512-VBMI (Ice Lake, Zen 4 and later) the conversion
- * looks the bytes up in two 128-entry tables (f8_tab: the bf16's high byte less the sign,
- * and its low byte): 7 operations for 64 weights against 19. Widening every pass through
+ * looks the bytes up in two 128-entry tables (ro_f8_bf16_hi and _lo, shared with amx.c):
+ * 7 operations for 64 weights against 19. Widening every pass through
  * the same tables instead of the shifts ran at 79 GFLOP/s against 114 (its two-source byte
  * permutes, VPERMT2B, cost here about twice a shift), so the per-pass route keeps the
  * shifts; they leave an FP8 subnormal as an f32 subnormal, whose multiply costs a microcode
  * assist (~100x the instruction here), rare in checkpoints (~1e-4 of the weights). */
 uint32_t ro_f8_via_bf16 = 20;
-
-static uint8_t f8_tab[4][64] __attribute__((aligned(64))); /* hi of m < 64, of m >= 64, lo, lo */
-static pthread_once_t f8_once = PTHREAD_ONCE_INIT;
-
-static void f8_init(void)
-{
-	for (uint32_t m = 0; m < 128; m++) {
-		const float f = ro_f8e4m3_to_f32((uint8_t)m);
-		uint32_t u;
-
-		memcpy(&u, &f, sizeof(u));
-		f8_tab[m / 64][m % 64] = (uint8_t)(u >> 24);
-		f8_tab[2 + m / 64][m % 64] = (uint8_t)(u >> 16);
-	}
-}
 
 /* Sixteen FP8 weights (e4m3fn, each byte at the top of its lane: bits
  * 31..24; bits below are ignored) as f32, exactly: an arithmetic shift by 4 and a mask leave
@@ -661,9 +679,10 @@ static AVX512 void f8_to_bf16_plain(const uint8_t *src, uint8_t *dst, size_t byt
 
 static AVX512VBMI void f8_to_bf16_vbmi(const uint8_t *src, uint8_t *dst, size_t bytes)
 {
-	const __m512i th0 = _mm512_load_si512(f8_tab[0]), th1 = _mm512_load_si512(f8_tab[1]),
-		      tl0 = _mm512_load_si512(f8_tab[2]), tl1 = _mm512_load_si512(f8_tab[3]),
-		      sgn = _mm512_set1_epi8((char)0x80);
+	const __m512i th0 = _mm512_loadu_si512(ro_f8_bf16_hi),
+		      th1 = _mm512_loadu_si512(ro_f8_bf16_hi + 64),
+		      tl0 = _mm512_loadu_si512(ro_f8_bf16_lo),
+		      tl1 = _mm512_loadu_si512(ro_f8_bf16_lo + 64), sgn = _mm512_set1_epi8((char)0x80);
 
 	for (size_t o = 0; o < bytes; o += 64) {
 		const __m512i d = _mm512_loadu_si512(src + o);
@@ -883,9 +902,10 @@ static AVX512 void tokens_f8(const struct ro_mat *W, const uint8_t *wp, uint32_t
  * xsb, pointed to from x = xsp. */
 INLINE AVX512 void tokens512(const struct ro_mat *W, const uint8_t *wp, uint32_t a, uint32_t n,
 			     const float *const *x, uint32_t T, float *const *y, uint32_t r0,
-			     uint32_t r1, const enum ro_dtype dt, const struct ro_mat *Ws,
-			     const float *const *xs_src, float *xsb, const float **xsp)
+			     uint32_t r1, const struct ro_mat *Ws, const float *const *xs_src,
+			     float *xsb, const float **xsp)
 {
+	const enum ro_dtype dt = RO_BF16;
 	uint32_t t = 0;
 
 #define PASS512(R, TT)                                                                           \
@@ -1027,18 +1047,11 @@ static AVX512 void gemm_panel_elem(const struct ro_mat *W, const float *const *x
 		for (uint32_t t = 0; t < T; t++) {
 			float acc = 0;
 
-			for (uint32_t k = 0; k < W->cols; k++) {
-				const size_t K = W->cols,
-					     i = W->panel ? (size_t)(r / 16) * 16 * K + (k / 4) * 64 +
-								(r % 16) * 4 + k % 4
-							  : (size_t)r * K + k;
-
-				acc = f8 ? fmaf(ro_f8e4m3_to_f32(((const uint8_t *)W->w)[i]),
-						x[t][k] * W->scale[(r / RO_FP8_BLOCK) * W->scale_cols +
-								   k / RO_FP8_BLOCK],
-						acc)
+			for (uint32_t k = 0; k < W->cols; k++)
+				acc = f8 ? fmaf(ro_f8e4m3_to_f32(
+						    ((const uint8_t *)W->w)[w_index(W, r, k)]),
+						x[t][k] * w_scale(W, r, k), acc)
 					 : fmaf(w_at(W, r, k), x[t][k], acc);
-			}
 			y[t][r] = acc;
 		}
 }
@@ -1052,40 +1065,32 @@ static AVX512 void gemm_panel512(const struct ro_mat *W, const float *const *x, 
 	/* bf16: groups of 12 panels (one token: 16, for its 8 streams); FP8: of one 128-row
 	 * block (8 panels) at most, all on the same scaled inputs */
 	uint32_t G = f8 ? RO_FP8_BLOCK / 16 : T == 1 ? 16 : PANEL_G;
-	size_t pack = 0, need = 0, cvt = 0;
+	/* scratch: per panel of a group, its row-major packing and (via) its bf16; per call,
+	 * FP8's scaled inputs (12 tokens) and their pointers */
+	const size_t pp = (W->panel ? 0 : ps) + (via ? panel_bytes_of(W->cols, RO_BF16) : 0),
+		     fixed = f8 ? (size_t)12 * K * sizeof(float) + (size_t)T * sizeof(float *) : 0;
+	size_t pack, cvt;
 	uint8_t *buf = NULL;
 	float *xsb = NULL;
 	const float **xsp = NULL;
 	struct ro_mat Wb;
 
-	if (!W->panel) {
-		if (p1 - p0 < G)
-			G = p1 - p0;
-		need = pack = G * ps;
-	}
-	if (f8) {
-		(void)pthread_once(&f8_once, f8_init);
-		if (via)
-			need += cvt = (size_t)G * panel_bytes_of(W->cols, RO_BF16);
-		need += (size_t)12 * K * sizeof(float) + (size_t)T * sizeof(*xsp);
-	}
-	if (need) {
-		buf = ro_thread_scratch(need);
-		if (!buf && pack) { /* one panel at a time */
-			need -= (pack + cvt) - (ps + (cvt ? cvt / G : 0));
-			cvt /= G;
-			pack = ps;
-			G = 1;
-			buf = ro_thread_scratch(need);
-		}
+	if (!W->panel && p1 - p0 < G)
+		G = p1 - p0;
+	if (pp || fixed) {
+		buf = ro_thread_scratch(G * pp + fixed);
+		if (!buf && pp) /* one panel at a time */
+			buf = ro_thread_scratch((G = 1) * pp + fixed);
 		if (!buf) {
 			gemm_panel_elem(W, x, T, y, r0, r1);
 			return;
 		}
-		if (f8) {
-			xsb = (float *)(buf + pack + cvt);
-			xsp = (const float **)(xsb + (size_t)12 * K);
-		}
+	}
+	pack = W->panel ? 0 : G * ps;
+	cvt = via ? G * panel_bytes_of(W->cols, RO_BF16) : 0;
+	if (f8) {
+		xsb = (float *)(buf + pack + cvt);
+		xsp = (const float **)(xsb + (size_t)12 * K);
 	}
 	Wb = *W;
 	Wb.dtype = RO_BF16;
@@ -1124,12 +1129,11 @@ static AVX512 void gemm_panel512(const struct ro_mat *W, const float *const *x, 
 				f8_to_bf16_vbmi(wp, bp, n * ps);
 			else
 				f8_to_bf16_plain(wp, bp, n * ps);
-			tokens512(&Wb, bp, pb * 16, n, xsp, T, y, r0, r1, RO_BF16, W, x, xsb, xsp);
+			tokens512(&Wb, bp, pb * 16, n, xsp, T, y, r0, r1, W, x, xsb, xsp);
 		} else if (f8) {
 			tokens_f8(W, wp, pb * 16, n, x, T, y, r0, r1, xsb, xsp);
 		} else {
-			tokens512(W, wp, pb * 16, n, x, T, y, r0, r1, RO_BF16, NULL, NULL, NULL,
-				  NULL);
+			tokens512(W, wp, pb * 16, n, x, T, y, r0, r1, NULL, NULL, NULL, NULL);
 		}
 		pf_next = NULL;
 		pb += n;
